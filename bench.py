@@ -1,0 +1,217 @@
+"""
+Benchmarks (performance, not tests). Each section prints a table with ratios measured in the same run.
+
+    python bench.py                      # every section
+    python bench.py --only=ce            # chunked cross-entropy vs naive full-logits CE
+    python bench.py --only=ce --V=50304 --N=2048 --dtype=bfloat16   # smaller / other dtype
+    python bench.py --only=train         # one llada training step vs a naive full-logits step
+
+Each variant runs in its own subprocess so its peak memory is its own. torch does not track CPU memory,
+so we read the kernel's counters: after the warm-up iteration (which includes any compile) the child
+resets its peak RSS (`5 > /proc/self/clear_refs`) and reports VmHWM - VmRSS (peak above the baseline
+of inputs, weights and compiled code) over the timed iterations. Time = median forward+backward.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+
+def _status_kib(key):
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(key + ':'):
+                return int(line.split()[1])
+    raise KeyError(f"bench.py: {key} not in /proc/self/status")
+
+
+def _measure(step, iters):
+    """Warm up once, reset the peak RSS, time `iters` calls.
+    Returns {'s': median wall s, 'cpu_s': median process CPU s (all threads), 'mib': peak MiB above baseline}.
+    CPU seconds are the steadier number on a machine shared with other jobs."""
+    step()
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')  # resets VmHWM to the current RSS (Linux >= 4.0)
+    base = _status_kib('VmRSS')
+    wall, cpu = [], []
+    for _ in range(iters):
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return {'s': statistics.median(wall), 'cpu_s': statistics.median(cpu), 'mib': (_status_kib('VmHWM') - base) / 1024}
+
+# -----------------------------------------------------------------------------
+# ce: chunked cross-entropy (kernels.chunked_cross_entropy) vs naive F.cross_entropy on full logits
+
+CE_VARIANTS = ['naive_eager', 'naive_compiled', 'chunked_eager', 'chunked_compiled']
+
+
+def ce_child(variant, args):
+    torch.manual_seed(0)
+    dt = getattr(torch, args.dtype)
+    h = torch.randn(args.N, args.d).to(dt).requires_grad_()  # (N, d) selected hidden rows
+    W = (torch.randn(args.V, args.d) * args.d ** -0.5).to(dt).requires_grad_()  # (V, d) LM head
+    t = torch.randint(args.V, (args.N,))  # (N,)
+
+    def naive(h, W, t):
+        return F.cross_entropy((h @ W.t()).float(), t, reduction='sum')  # (N, V) logits
+
+    loss_fn = {
+        'naive_eager': naive,
+        'naive_compiled': torch.compile(naive, dynamic=False),
+        'chunked_eager': lambda h, W, t: kernels.chunked_cross_entropy(h, W, t, chunk_size=args.chunk_size)[0],
+        'chunked_compiled': lambda h, W, t: kernels.chunked_cross_entropy(h, W, t, chunk_size=args.chunk_size, compiled=True)[0],
+    }[variant]
+
+    def step():
+        loss_fn(h, W, t).backward()
+        h.grad = W.grad = None
+
+    return _measure(step, args.iters)
+
+
+def ce_report(results, args):
+    print(f"ce: N={args.N} rows, d={args.d}, V={args.V}, {args.dtype}, forward+backward, "
+          f"median of {args.iters}, {torch.get_num_threads()} threads, chunk_size={args.chunk_size or kernels.auto_chunk_size(args.V)}")
+    ref = results.get('naive_compiled')
+    print("| variant | s/iter | CPU s/iter | peak MiB above baseline | speed vs naive_compiled (wall, CPU) | memory vs naive_compiled |")
+    print("|---|---|---|---|---|---|")
+    for v, r in results.items():
+        if 'error' in r:
+            print(f"| {v} | {r['error']} | | | | |")
+            continue
+        ok = ref is not None and 'error' not in ref
+        speed = f"{ref['s'] / r['s']:.2f}x, {ref['cpu_s'] / r['cpu_s']:.2f}x" if ok else '-'
+        mem = f"{r['mib'] / ref['mib']:.3f}" if ok and ref['mib'] > 0 else '-'
+        print(f"| {v} | {r['s']:.2f} | {r['cpu_s']:.2f} | {r['mib']:.0f} | {speed} | {mem} |")
+
+
+def ce_need_mib(variant, args):
+    """Rough memory a variant needs, to skip one that would not fit (naive eager holds ~4 (N, V) fp32)."""
+    nv = args.N * args.V * 4 / 2**20
+    return {'naive_eager': 4 * nv, 'naive_compiled': 2 * nv}.get(variant, 0.1 * nv)
+
+
+# -----------------------------------------------------------------------------
+# train: one llada training step (chunked CE on the corrupted rows only) vs a naive reference step (full (B, T, V)
+# logits from the HF model, eager F.cross_entropy), same model, batch and corruption, AdamW step included
+
+TRAIN_VARIANTS = ['naive_step', 'llada_step']
+
+
+def train_child(variant, args):
+    import llada
+    torch.manual_seed(0)
+    V, B, T = args.V, args.B, args.T
+    model = llada.build_model('scratch', vocab_size=V, n_layer=args.n_layer, n_head=4, n_kv_head=4, n_embd=args.d,
+                              intermediate_size=4 * args.d, max_seq_len=T)
+    x0 = torch.randint(V - 1, (B, T))  # (B, T) clean tokens; id V-1 is the mask
+    lm = torch.ones(B, T)
+    lm[:, :T // 4] = 0  # a prompt quarter, never corrupted
+    xt, noise, p = llada.corrupt(x0, lm, mask_id=V - 1, eps=1e-3, seeds=torch.arange(B))
+    w, n_sup = llada.loss_weights(noise, p), lm.sum()
+    mdlm = llada.MDLM(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        if variant == 'llada_step':
+            ce, _ = mdlm(xt, x0, w)
+        else:
+            logits = model(xt).logits  # (B, T, V)
+            ce = (F.cross_entropy(logits.float().view(-1, V), x0.view(-1), reduction='none') * w.view(-1)).sum()
+        (ce / n_sup).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    r = _measure(step, args.iters)
+    r['tok_s'] = B * T / r['s']
+    return r
+
+
+def train_report(results, args):
+    print(f"train: one llada step (forward+backward+AdamW), {args.n_layer} layers, d={args.d}, V={args.V}, "
+          f"B={args.B} x T={args.T}, fp32, median of {args.iters}, {torch.get_num_threads()} threads")
+    ref = results.get('naive_step')
+    ok = ref is not None and 'error' not in ref
+    print("| variant | s/step | tokens/s | peak MiB above baseline | tokens/s vs naive | memory vs naive |")
+    print("|---|---|---|---|---|---|")
+    for v, r in results.items():
+        if 'error' in r:
+            print(f"| {v} | {r['error']} | | | | |")
+            continue
+        speed = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ok else '-'
+        mem = f"{r['mib'] / ref['mib']:.3f}" if ok and ref['mib'] > 0 else '-'
+        print(f"| {v} | {r['s']:.2f} | {r['tok_s']:,.0f} | {r['mib']:.0f} | {speed} | {mem} |")
+
+
+def train_need_mib(variant, args):
+    return (5 if variant == 'naive_step' else 0.5) * args.B * args.T * args.V * 4 / 2**20
+
+
+SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
+            'train': (TRAIN_VARIANTS, train_child, train_report, train_need_mib)}
+
+# -----------------------------------------------------------------------------
+
+def _mem_available_mib():
+    with open('/proc/meminfo') as f:
+        for line in f:
+            if line.startswith('MemAvailable:'):
+                return int(line.split()[1]) / 1024
+    return float('inf')
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument('--only', default='', help=f"comma-separated sections: {','.join(SECTIONS)} (default all)")
+    p.add_argument('--N', type=int, default=8192, help='rows (selected tokens)')
+    p.add_argument('--d', type=int, default=256, help='hidden size')
+    p.add_argument('--V', type=int, default=126464, help='vocabulary size')
+    p.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+    p.add_argument('--chunk_size', type=int, default=0, help='chunked CE rows per chunk, 0 = auto')
+    p.add_argument('--B', type=int, default=8, help='train: sequences per batch')
+    p.add_argument('--T', type=int, default=256, help='train: sequence length')
+    p.add_argument('--n_layer', type=int, default=4, help='train: transformer layers')
+    p.add_argument('--iters', type=int, default=3, help='timed iterations after one warm-up')
+    p.add_argument('--variants', default='', help='comma-separated subset of variants')
+    p.add_argument('--child', default='', help=argparse.SUPPRESS)  # section:variant, run in a subprocess
+    args = p.parse_args()
+
+    if args.child:
+        section, variant = args.child.split(':')
+        print(json.dumps(SECTIONS[section][1](variant, args)))
+        return
+    sections = args.only.split(',') if args.only else list(SECTIONS)
+    for s in sections:
+        assert s in SECTIONS, f"bench.py: unknown section {s!r} (have {', '.join(SECTIONS)})"
+    for s in sections:
+        variants, _, report, need_mib = SECTIONS[s]
+        if args.variants:
+            variants = [v for v in variants if v in args.variants.split(',')]
+        results = {}
+        for v in variants:
+            if need_mib(v, args) > 0.8 * _mem_available_mib():
+                results[v] = {'error': f"skipped: needs ~{need_mib(v, args):.0f} MiB"}
+                continue
+            cmd = [sys.executable, os.path.abspath(__file__), f'--child={s}:{v}'] + \
+                  [a for a in sys.argv[1:] if not a.startswith(('--only', '--variants'))]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                results[v] = {'error': f"failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-1:]}"}
+            else:
+                results[v] = json.loads(r.stdout.strip().splitlines()[-1])
+            print(f"  {s}/{v}: {results[v]}", file=sys.stderr, flush=True)
+        report(results, args)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,21 @@
+# llada_tiny: the embedded default, spelled out. A ~1.1M-parameter bidirectional Qwen3 trained as an MDLM on
+# synthetic 3-digit addition (data/add, generated on first use), on a laptop CPU.
+# Launch:   python llada.py config/llada_tiny.py        (identical to plain `python llada.py`)
+# Expected: see the README table (held-out exact match on data/add/val, greedy, one token per step).
+out_dir = 'out-llada'
+dataset = 'add'
+batch_size = 256
+max_seq_len = 64
+supervise_padding = True
+n_layer = 4
+n_head = 4
+n_embd = 128
+intermediate_size = 512
+learning_rate = 2e-3
+max_iters = 2000
+warmup_iters = 50
+min_lr = 1e-4
+eval_interval = 1000
+gen_length = 5  # the longest answer (4 digits) + EOS: a longer canvas than training rows costs accuracy
+block_length = 5
+steps = 5

@@ -1,0 +1,513 @@
+"""
+llada.py: masked diffusion language models (MDLM / LLaDA / LLaDA2 SFT) on a Hugging Face model.
+
+The forward process masks each supervised token independently with probability p = (1-eps)*t + eps, t ~ U[0,1)
+per example; the model (a bidirectional transformer) predicts the clean token at every masked position and the loss
+is the 1/p-weighted cross-entropy over masked positions, divided by the number of supervised tokens in the global
+batch (LLaDA arXiv 2502.09992 Eq. 3 / SFT Eq. 5; NeMo AutoModel MDLMCrossEntropyLoss).
+
+CPU, the embedded default (synthetic 3-digit addition, ~1.1M params, ~8 minutes, prints held-out accuracy):
+    python llada.py
+1 GPU, LLaDA-8B-Base SFT from a local checkpoint directory:
+    python llada.py config/llada_sft.py --init_from=/path/to/LLaDA-8B-Base
+8 GPUs:
+    torchrun --standalone --nproc_per_node=8 llada.py config/llada_sft.py --init_from=/path/to/LLaDA-8B-Base
+Resume (bit-exact on CPU):
+    python llada.py --init_from=resume
+Sample from the result:
+    python sample.py --checkpoint out-llada --sampler llada --prompt "123+456"
+
+Layout: the library half (importable, no side effects) holds the model builder, corruption and loss; the script half
+under `if __name__ == '__main__':` holds config -> configurator -> distributed init -> data -> model -> training loop.
+"""
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+import kernels
+
+# -----------------------------------------------------------------------------
+# model
+
+def build_model(init_from, *, vocab_size=0, model_type='qwen3', n_layer=4, n_head=4, n_kv_head=4, n_embd=128,
+                intermediate_size=0, max_seq_len=256, rope_theta=10000.0, trust_remote_code=False, bidirectional=True,
+                attn_implementation='sdpa', hf_config=None):
+    """A Hugging Face model: a tiny Qwen3/Llama built from the arguments ('scratch'), a rebuilt config (hf_config, a
+    dict from a checkpoint), or a local checkpoint directory. bidirectional=True removes the causal mask (MDLM)."""
+    import transformers
+    transformers.logging.disable_progress_bar()
+    if hf_config is not None:  # rebuild from a checkpoint's stored config (weights are loaded by the caller)
+        config = transformers.AutoConfig.for_model(**hf_config)
+        config._attn_implementation = attn_implementation
+        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    elif init_from == 'scratch':
+        assert vocab_size > 0, 'scratch models need a vocab_size (from meta.json)'
+        assert n_embd % n_head == 0, f'n_embd={n_embd} must be divisible by n_head={n_head}'
+        assert n_head % n_kv_head == 0, f'n_head={n_head} must be divisible by n_kv_head={n_kv_head}'
+        common = dict(vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=intermediate_size or 3 * n_embd,
+                      num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
+                      max_position_embeddings=max_seq_len, rope_theta=rope_theta, tie_word_embeddings=True,
+                      attn_implementation=attn_implementation)
+        if model_type == 'qwen3':
+            config = transformers.Qwen3Config(head_dim=n_embd // n_head, **common)
+        elif model_type == 'llama':
+            config = transformers.LlamaConfig(head_dim=n_embd // n_head, **common)
+        else:
+            raise ValueError(f"model_type must be 'qwen3' or 'llama', got {model_type!r}")
+        config.is_causal = not bidirectional  # saved in config.json, so the HF export stays bidirectional
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    else:
+        if not os.path.isfile(os.path.join(init_from, 'config.json')):
+            raise FileNotFoundError(f'init_from={init_from!r}: no config.json there (expected a local HF checkpoint dir)')
+        config = transformers.AutoConfig.from_pretrained(init_from, trust_remote_code=trust_remote_code)
+        if bidirectional:
+            config.is_causal = False  # an AR checkpoint (e.g. Qwen3) becomes a bidirectional denoiser
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            init_from, config=config, trust_remote_code=trust_remote_code, torch_dtype=torch.float32,
+            attn_implementation=attn_implementation)
+    return model
+
+
+def check_mask_id(mask_id, vocab_size, pad_id=-1, eos_id=-1):
+    """mask_id must be a real embedding row and must not collide with pad/eos (they are trained as content)."""
+    if not (0 <= mask_id < vocab_size):
+        raise ValueError(f'mask_id={mask_id} is outside the vocabulary [0, {vocab_size})')
+    if mask_id in (pad_id, eos_id):
+        raise ValueError(f'mask_id={mask_id} equals the {"pad" if mask_id == pad_id else "eos"} id; pick a dedicated mask token')
+
+
+class MDLM(nn.Module):
+    """The HF model and the MDLM loss in one forward, so DDP/FSDP hooks see a single call per micro-step."""
+
+    def __init__(self, model, softcap=0.0, compiled_ce=False):
+        super().__init__()
+        self.model = model
+        self.softcap = softcap
+        self.compiled_ce = compiled_ce
+
+    def forward(self, input_ids, targets, weights, attention_mask=None, position_ids=None):
+        h = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids).last_hidden_state  # (B, T, C), post final norm
+        sel = weights > 0  # (B, T) the corrupted, supervised positions
+        W = self.model.get_output_embeddings().weight  # (V, C)
+        # only the selected rows reach the LM head, chunk by chunk: no (B, T, V) logits in forward or backward
+        return kernels.chunked_cross_entropy(h[sel], W, targets[sel], row_weights=weights[sel].float(),
+                                             softcap=self.softcap, compiled=self.compiled_ce)
+
+# -----------------------------------------------------------------------------
+# corruption
+
+def corruption_seeds(seed, step, global_rows, global_batch):
+    """One 63-bit seed per row, a pure function of (seed, step, row's place in the global batch): the same tokens get
+    the same noise whatever the world size / accumulation split, and a resumed run replays it (NeMo §2.2)."""
+    idx = step * global_batch + global_rows.long()  # (B,)
+    return (seed + 2**43 + 2654435761 * idx) & (2**63 - 1)
+
+
+def corrupt(x0, loss_mask, *, mask_id, eps, seeds):
+    """MDLM forward process (NeMo corrupt_uniform, LLaDA GUIDELINES): per row t ~ U[0,1), p = (1-eps)t + eps,
+    each supervised token -> mask_id with probability p. Prompt and unsupervised padding are never masked.
+    Per-row generators seeded by `seeds` (B,); the global RNG is untouched.
+    Returns xt (B, T) long, noise (B, T) bool, p (B, T) float32 (p constant along a row)."""
+    B, T = x0.shape
+    t = torch.empty(B)
+    u = torch.empty(B, T)
+    for b in range(B):  # per-row streams (B is small; this runs on CPU tensors before the batch moves to device)
+        g = torch.Generator().manual_seed(int(seeds[b]))
+        t[b] = torch.rand(1, generator=g)[0]  # draw 1: t
+        u[b] = torch.rand(T, generator=g)  # draw 2: per-token coin
+    p = ((1 - eps) * t + eps)[:, None].expand(B, T).to(torch.float32)  # (B, T)
+    noise = (u < p) & loss_mask.bool()  # (B, T)
+    xt = torch.where(noise, torch.full_like(x0, mask_id), x0)  # (B, T)
+    return xt, noise, p
+
+
+def loss_weights(noise, p):
+    """Per-position weight of the MDLM loss: 1/p on corrupted supervised tokens, 0 elsewhere (LLaDA Eq. 3). (B, T)"""
+    return noise.float() / p.clamp_min(1e-8)
+
+# -----------------------------------------------------------------------------
+# helpers shared by the training loop (kept here so tests can call them)
+
+def get_lr(it, *, learning_rate, min_lr, warmup_iters, lr_decay_iters):
+    """Linear warmup, then cosine decay to min_lr at lr_decay_iters, then flat."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it >= lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / max(lr_decay_iters - warmup_iters, 1)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+def save_atomic(obj, path):
+    """torch.save to a temp file, then rename: a crash mid-write never leaves a truncated checkpoint."""
+    tmp = path + '.tmp'
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+# -----------------------------------------------------------------------------
+if __name__ == '__main__':
+    # -------------------------------------------------------------------------
+    # config (every key: --key=value or a config/*.py file; `python llada.py --help` lists them)
+    # I/O
+    out_dir = 'out-llada'  # checkpoints (ckpt.pt), the HF export (hf/) and log.txt
+    init_from = 'scratch'  # 'scratch' | 'resume' (from out_dir/ckpt.pt) | path to a local HF checkpoint dir
+    trust_remote_code = False  # needed for checkpoints with custom code (LLaDA-8B); only set it for code you trust
+    eval_interval = 1000  # steps between evals + checkpoints (0 = only at the end)
+    log_interval = 10  # steps between log lines
+    eval_iters = 2  # val batches for the val loss
+    eval_samples = 500  # val prompts decoded by the sampler for exact-match accuracy (0 = skip)
+    wandb_log = False  # log to Weights & Biases (imported only when enabled)
+    wandb_project = 'nanodlm'  # wandb project
+    wandb_run_name = 'llada'  # wandb run name
+    # data
+    dataset = 'add'  # synthetic task ('add'|'sort'|'sudoku', generated if missing) or a prepared dir under data/
+    data_dir = ''  # '' = data/<dataset>; any dir with meta.json + {train,val}.bin from data/prepare.py
+    batch_size = 256  # examples per micro-batch per rank
+    gradient_accumulation_steps = 1  # micro-steps per optimizer step, in total over all ranks (divided by world size)
+    max_seq_len = 64  # longer examples are dropped at prepare time; collation caps rows here
+    pad_block_size = 1  # >1: EOS-fill each row to a multiple of this (supervised, unattended)
+    pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
+    supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
+    # model
+    model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
+    n_layer = 4  # transformer layers (scratch)
+    n_head = 4  # attention heads (scratch)
+    n_kv_head = 4  # key/value heads (scratch; < n_head = GQA)
+    n_embd = 128  # hidden size (scratch)
+    intermediate_size = 512  # MLP hidden size (scratch; 0 = 3 * n_embd)
+    rope_theta = 10000.0  # RoPE base (scratch)
+    # corruption
+    mask_id = -1  # [MASK] token id; -1 = from meta.json / the tokenizer (LLaDA 126336, LLaDA2.1 156895)
+    eps = 1e-3  # minimum mask probability: p = (1 - eps) * t + eps
+    # optimizer
+    learning_rate = 2e-3  # peak AdamW learning rate
+    max_iters = 2000  # optimizer steps
+    weight_decay = 0.1  # AdamW weight decay (2-D weights only)
+    beta1 = 0.9  # AdamW beta1
+    beta2 = 0.98  # AdamW beta2
+    grad_clip = 1.0  # clip the global grad norm at this value (0 = off)
+    # schedule
+    warmup_iters = 50  # linear warmup steps
+    lr_decay_iters = -1  # cosine decay length (-1 = max_iters)
+    min_lr = 1e-4  # final learning rate
+    # eval & sampling (the llada sampler used for the accuracy eval)
+    gen_length = 5  # tokens generated per val prompt (add: up to 4 digits + EOS)
+    block_length = 5  # semi-autoregressive block length
+    steps = 5  # denoising steps in total (one token per step here)
+    # system
+    device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' ...
+    dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
+    compile = False  # torch.compile the decoder and the chunked CE (worth it on GPU; ~20 s cold start on CPU)
+    fsdp = False  # shard with FSDP2 (fully_shard) instead of DDP when launched with torchrun
+    seed = 1337  # data order, corruption and init all derive from it
+    # -------------------------------------------------------------------------
+    import configurator
+    config = configurator.configure(globals())
+
+    import numpy as np
+    import torch.distributed as dist
+    from contextlib import nullcontext
+    from data.loader import TokenDataset, collate, batch_indices, global_rows
+    from data.prepare import ensure_synthetic
+    from data.tokenizer import load_tokenizer
+    import sample as sampler_lib
+
+    # -------------------------------------------------------------------------
+    # distributed init
+    ddp = int(os.environ.get('RANK', -1)) != -1  # launched by torchrun?
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if ddp:
+        ddp_rank, ddp_local_rank = int(os.environ['RANK']), int(os.environ['LOCAL_RANK'])
+        ddp_world_size = int(os.environ['WORLD_SIZE'])
+        if device.startswith('cuda'):
+            device = f'cuda:{ddp_local_rank}'
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    else:
+        ddp_rank, ddp_local_rank, ddp_world_size = 0, 0, 1
+    master_process = ddp_rank == 0
+    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+    assert gradient_accumulation_steps % ddp_world_size == 0, \
+        f'gradient_accumulation_steps={gradient_accumulation_steps} must be divisible by the world size {ddp_world_size}'
+    grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
+    global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
+
+    def print0(*a, **k):
+        if master_process:
+            print(*a, **k, flush=True)
+
+    def all_sum(t):
+        if ddp:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def finish(code=0):
+        # gloo ranks sometimes abort at interpreter shutdown; tear down explicitly (environment.md)
+        sys.stdout.flush(); sys.stderr.flush()
+        if ddp:
+            dist.destroy_process_group()
+            os._exit(code)
+        sys.exit(code)
+
+    if dtype == 'auto':
+        dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
+    autocast = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
+    if device_type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(seed)  # model init; data and corruption use their own generators
+
+    # -------------------------------------------------------------------------
+    # data
+    data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+    if master_process and not os.path.exists(os.path.join(data_dir, 'meta.json')):
+        ensure_synthetic(dataset, data_dir, max_seq_len=max_seq_len, seed=0)
+    if ddp:
+        dist.barrier()
+    train_ds, val_ds = TokenDataset(data_dir, 'train'), TokenDataset(data_dir, 'val')
+    meta = train_ds.meta
+    tokenizer = load_tokenizer(meta)
+    pad_id, eos_id = meta['pad_id'], meta['eos_id']
+
+    def get_batch(ds, idx):
+        b = collate(ds.examples(idx.tolist()), pad_id=pad_id, eos_id=eos_id, block_size=pad_block_size,
+                    pad_seq_len_divisible=pad_seq_len_divisible, max_seq_len=max_seq_len,
+                    supervise_padding=supervise_padding)
+        return b['input_ids'], b['loss_mask']
+
+    # -------------------------------------------------------------------------
+    # model
+    os.makedirs(out_dir, exist_ok=True)
+    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    start_step, checkpoint = 0, None
+    if init_from == 'resume':
+        if not os.path.exists(ckpt_path):
+            print(f'error: init_from=resume but {ckpt_path} does not exist', file=sys.stderr)
+            finish(1)
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
+        hf_config = json.loads(checkpoint['model_args'])
+        if 'auto_map' in hf_config:  # remote-code model: its code travels with the HF export
+            model = build_model(os.path.join(out_dir, 'hf'), trust_remote_code=trust_remote_code)
+        else:
+            model = build_model('scratch', hf_config=hf_config)
+        model.load_state_dict(checkpoint['model'])
+        start_step = checkpoint['step']
+    else:
+        try:
+            model = build_model(init_from, vocab_size=meta['vocab_size'], model_type=model_type, n_layer=n_layer,
+                                n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                                intermediate_size=intermediate_size, max_seq_len=max(max_seq_len, 256),
+                                rope_theta=rope_theta, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:  # a missing/incomplete checkpoint dir, a bad model_type
+            print(f'error: {str(e).splitlines()[0]}', file=sys.stderr)
+            finish(1)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if mask_id == -1:
+        mask_id = meta.get('mask_id', -1)
+    try:
+        check_mask_id(mask_id, vocab, pad_id, eos_id)
+    except ValueError as e:
+        print(f'error: {e}', file=sys.stderr)
+        finish(1)
+    model.to(device)
+    raw_model = model  # the bare HF model: state_dict, export, sampling
+    softcap = float(getattr(model.config, 'final_logit_softcapping', None) or 0.0)
+    mdlm = MDLM(model, softcap=softcap, compiled_ce=compile)  # the module that DDP/FSDP wrap
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    print0(f'model: {n_params / 1e6:.2f}M parameters, vocab {vocab}, mask_id {mask_id}, '
+           f'world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = {global_batch} examples/step')
+
+    if compile:
+        raw_model.get_decoder().compile()  # in place: state_dict keys keep their names (no _orig_mod.)
+    if ddp and fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in raw_model.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(mdlm)  # the root: embeddings, final norm and the (tied) LM head
+        train_model = mdlm
+    elif ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        train_model = DDP(mdlm, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)
+    else:
+        train_model = mdlm
+    # the optimizer comes after fully_shard, which swaps parameters for sharded DTensors
+    decay = [p for p in mdlm.parameters() if p.dim() >= 2]
+    no_decay = [p for p in mdlm.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay},
+                                   {'params': no_decay, 'weight_decay': 0.0}],
+                                  lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
+    if checkpoint is not None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, StateDictOptions
+        set_optimizer_state_dict(mdlm, optimizer, checkpoint['optimizer'],
+                                 options=StateDictOptions(full_state_dict=True))
+        torch.set_rng_state(checkpoint['torch_rng'])
+    checkpoint = None  # free memory
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, StateDictOptions
+    # full (unsharded), name-keyed model + optimizer state: the same format with or without FSDP
+    sd_options = StateDictOptions(full_state_dict=True, cpu_offload=ddp and fsdp)
+
+    def model_state():
+        return get_state_dict(mdlm, optimizer, options=sd_options)  # a collective under FSDP: every rank calls it
+
+    def save_checkpoint(step, metrics):
+        msd, osd = model_state()
+        msd = {k[len('model.'):]: v for k, v in msd.items()}  # keys of the bare HF model
+        if not master_process:
+            return
+        save_atomic({'model': msd, 'optimizer': osd, 'step': step, 'family': 'llada',
+                     'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
+                     'mask_id': mask_id, 'torch_rng': torch.get_rng_state()}, ckpt_path)
+        # HF export: plain transformers can load it; sample.py --checkpoint out_dir uses it
+        hf_dir = os.path.join(out_dir, 'hf')
+        raw_model.save_pretrained(hf_dir, state_dict=msd)
+        with open(os.path.join(hf_dir, 'meta.json'), 'w') as f:
+            json.dump({**meta, 'mask_id': mask_id, 'family': 'llada', 'sampler': 'llada', 'gen_length': gen_length,
+                       'block_length': block_length, 'steps': steps}, f, indent=1)
+        if hasattr(tokenizer, 'save'):
+            tokenizer.save(hf_dir)
+
+    # -------------------------------------------------------------------------
+    # eval
+    n_acc = min(eval_samples, len(val_ds))
+    acc_rows = []  # (prompt ids incl. the assistant header, reference answer text) of the first n_acc val examples
+    for i in range(n_acc):
+        ids, lm = val_ds.example(i)
+        start = int(np.argmax(lm > 0))  # single-turn: the response is the supervised suffix
+        acc_rows.append((ids[:start].tolist(), tokenizer.decode(ids[start:].tolist())))
+
+    @torch.no_grad()
+    def accuracy():
+        """Exact match of the llada sampler (eval settings: gen_length/block_length/steps, greedy) on the first
+        eval_samples val prompts, split over ranks; every rank runs the same number of batches (FSDP lockstep)."""
+        per_rank = math.ceil(n_acc / ddp_world_size)
+        mine = [ddp_rank * per_rank + j for j in range(per_rank)]
+        hits = torch.zeros(2, device=device)  # correct, counted
+        if ddp and fsdp:
+            mdlm.unshard()  # gather the root's parameters (embeddings, norm, head): the sampler calls raw_model
+        for s in range(0, per_rank, batch_size):
+            rows = mine[s:s + batch_size]
+            prompts = [acc_rows[min(i, n_acc - 1)][0] for i in rows]
+            with autocast:
+                gen = sampler_lib.generate(raw_model, prompts, sampler='llada', mask_id=mask_id, pad_id=pad_id,
+                                           eos_id=eos_id, gen_length=gen_length, block_length=block_length,
+                                           steps=steps)
+            for i, g in zip(rows, gen):
+                if i < n_acc:
+                    hits += torch.tensor([tokenizer.decode(g).strip() == acc_rows[i][1].strip(), 1.0], device=device)
+        if ddp and fsdp:
+            mdlm.reshard()
+        all_sum(hits)
+        return (hits[0] / hits[1].clamp_min(1)).item()
+
+    @torch.no_grad()
+    def evaluate(step):
+        """Val loss with fixed corruption seeds (the same noise at every eval), then exact-match accuracy of the
+        llada sampler on the first eval_samples val prompts. Runs on every rank; sums are all-reduced."""
+        mdlm.eval()
+        tot = torch.zeros(2, device=device)  # Σ weighted CE, Σ supervised tokens
+        for i in range(eval_iters):
+            rows = torch.arange(batch_size) + (i * ddp_world_size + ddp_rank) * batch_size
+            idx = rows % len(val_ds)
+            x0, lm = get_batch(val_ds, idx)
+            xt, noise, p = corrupt(x0, lm, mask_id=mask_id, eps=eps, seeds=corruption_seeds(seed, 0, rows, 1))
+            with autocast:
+                ce, _ = train_model(xt.to(device), x0.to(device), loss_weights(noise, p).to(device))
+            tot += torch.stack([ce.float(), lm.sum().to(device)])
+        all_sum(tot)
+        out = {'val_loss': (tot[0] / tot[1].clamp_min(1)).item()}
+        if eval_samples > 0:
+            out['accuracy'] = accuracy()
+        mdlm.train()
+        return out
+
+    # -------------------------------------------------------------------------
+    # training loop
+    if master_process:
+        log_file = open(os.path.join(out_dir, 'log.txt'), 'a')
+        log_file.write(f'# llada.py torch {torch.__version__} device {device} world {ddp_world_size}\n'
+                       f'# config {json.dumps(config)}\n')
+    if wandb_log and master_process:
+        import wandb
+        wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+    lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
+    metrics = {}
+    step = start_step
+    t0 = time.time()
+    while step < max_iters:
+        lr = get_lr(step, learning_rate=learning_rate, min_lr=min_lr, warmup_iters=warmup_iters,
+                    lr_decay_iters=lr_decay_iters)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        # collate + corrupt every micro-batch first: the loss denominator is the GLOBAL supervised count
+        micro = []
+        for m in range(grad_accum):
+            idx = batch_indices(len(train_ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
+                                world_size=ddp_world_size, grad_accum=grad_accum)
+            x0, lm = get_batch(train_ds, idx)
+            rows = global_rows(batch_size, micro_step=m, rank=ddp_rank, world_size=ddp_world_size)
+            xt, noise, p = corrupt(x0, lm, mask_id=mask_id, eps=eps,
+                                   seeds=corruption_seeds(seed, step, rows, global_batch))
+            micro.append((xt, x0, loss_weights(noise, p), lm, noise))
+        counts = torch.tensor([sum(mb[3].sum() for mb in micro), sum(mb[4].sum() for mb in micro),
+                               sum(mb[0].numel() for mb in micro)], dtype=torch.float64, device=device)
+        n_sup, n_noise, n_tok = all_sum(counts).tolist()
+        loss_sum = torch.zeros(2, device=device)  # Σ loss, Σ correct (argmax == target on masked positions)
+        for m, (xt, x0, w, _, _) in enumerate(micro):
+            last = m == grad_accum - 1
+            if ddp and fsdp:
+                train_model.set_requires_gradient_sync(last)
+            elif ddp:
+                # set before forward: DDP reads it there (setting it late silently breaks accumulation)
+                train_model.require_backward_grad_sync = last
+            with autocast:
+                ce, n_correct = train_model(xt.to(device), x0.to(device), w.to(device))
+                loss = ce / max(n_sup, 1.0)  # LLaDA SFT: divide by the global number of supervised tokens
+            # DDP/FSDP average gradients over ranks; the loss is already a global mean, so undo the 1/world
+            (loss * ddp_world_size).backward()
+            loss_sum += torch.stack([loss.detach().float(), n_correct.float()])
+        grad_norm = torch.nn.utils.clip_grad_norm_(mdlm.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+        all_sum(loss_sum)
+        step_loss = loss_sum[0].item()
+        if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
+            print0(f'error: non-finite loss {step_loss} / grad_norm {float(grad_norm)} at step {step}; stopping. '
+                   f'The last good checkpoint ({ckpt_path}) is untouched.')
+            finish(1)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        dt = time.time() - t0
+        t0 = time.time()
+        metrics = {'step': step, 'loss': step_loss, 'grad_norm': float(grad_norm), 'lr': lr,
+                   'mask_acc': loss_sum[1].item() / max(n_noise, 1.0), 'supervised_tokens': int(n_sup),
+                   'tok_per_s': n_tok / dt}
+        if step % log_interval == 0 or step == start_step + 1:
+            line = (f"step {step} | loss {step_loss:.6f} | grad_norm {metrics['grad_norm']:.4f} | lr {lr:.3e} | "
+                    f"mask_acc {metrics['mask_acc']:.3f} | sup {int(n_sup)} | tok/s {n_tok / dt:,.0f} | dt {dt*1000:.0f}ms")
+            print0(line)
+            if master_process:
+                log_file.write(line + '\n'); log_file.flush()
+                if wandb_log:
+                    wandb.log(metrics, step=step)
+        if (eval_interval > 0 and step % eval_interval == 0) or step == max_iters:
+            ev = evaluate(step)
+            metrics.update(ev)
+            line = f'eval step {step} | ' + ' | '.join(f'{k} {v:.4f}' for k, v in ev.items())
+            print0(line)
+            if master_process:
+                log_file.write(line + '\n'); log_file.flush()
+                if wandb_log:
+                    wandb.log(ev, step=step)
+            save_checkpoint(step, metrics)
+            t0 = time.time()
+    if 'accuracy' in metrics:
+        print0(f"held-out exact-match accuracy on {dataset}: {100 * metrics['accuracy']:.1f}%")
+    finish(0)

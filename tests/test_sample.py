@@ -1,0 +1,155 @@
+"""sample.py: the llada and ar samplers on tiny random models, each against an independent reference
+(one-by-one vs batched, cached vs uncached, schedule and top-k vs plain loops), plus the CLI's errors.
+Run: python -m pytest -q tests/test_sample.py"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import llada
+import sample
+
+V, MASK, PAD, EOS = 40, 37, 38, 39
+
+
+def tiny(bidirectional, seed=0):
+    torch.manual_seed(seed)
+    return llada.build_model('scratch', vocab_size=V, n_layer=2, n_head=2, n_kv_head=2, n_embd=32,
+                             intermediate_size=64, max_seq_len=128, bidirectional=bidirectional).eval()
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
+
+
+def test_num_transfer_tokens_matches_loop():
+    n = torch.tensor([0, 1, 7, 8, 13])
+    got = sample.num_transfer_tokens(n, 4)
+    for row, k in zip(got.tolist(), n.tolist()):
+        ref = [k // 4 + (1 if i < k % 4 else 0) for i in range(4)]
+        assert row == ref and sum(row) == k
+
+
+def test_topk_mask_matches_loop():
+    g = torch.Generator().manual_seed(0)
+    conf = torch.rand(5, 12, generator=g)
+    k = torch.tensor([0, 1, 3, 12, 5])
+    got = sample.topk_mask(conf, k)
+    for b in range(5):
+        ref = torch.zeros(12, dtype=torch.bool)
+        ref[conf[b].topk(int(k[b])).indices] = True
+        assert torch.equal(got[b], ref)
+
+
+def test_pad_prompts_left_pads():
+    x, m = sample.pad_prompts([[1, 2], [3]], PAD)
+    assert x.tolist() == [[1, 2], [PAD, 3]] and m.tolist() == [[True, True], [False, True]]
+
+
+@pytest.mark.parametrize('gen_length,block_length,steps', [(8, 8, 8), (12, 4, 6), (8, 4, 2)])
+def test_llada_fills_every_mask_and_is_deterministic(gen_length, block_length, steps):
+    model = tiny(True)
+    x, pm = sample.pad_prompts(PROMPTS, PAD)
+    kw = dict(prompt_mask=pm, gen_length=gen_length, block_length=block_length, steps=steps, mask_id=MASK)
+    a = sample.sample_llada(model, x, **kw)
+    b = sample.sample_llada(model, x, **kw)
+    assert a.shape == (4, x.shape[1] + gen_length)
+    assert not (a == MASK).any(), 'a [MASK] survived sampling'
+    assert torch.equal(a, b), 'greedy sampling is not deterministic'
+    assert torch.equal(a[:, :x.shape[1]], x), 'the prompt changed'
+
+
+def test_llada_padded_batch_equals_one_by_one():
+    model = tiny(True)
+    x, pm = sample.pad_prompts(PROMPTS, PAD)
+    kw = dict(gen_length=8, block_length=4, steps=8, mask_id=MASK)
+    batched = sample.sample_llada(model, x, prompt_mask=pm, **kw)[:, x.shape[1]:]
+    for i, p in enumerate(PROMPTS):
+        alone = sample.sample_llada(model, torch.tensor([p]), **kw)[:, len(p):]
+        assert torch.equal(batched[i], alone[0]), i
+
+
+def test_llada_one_token_per_step_in_block_order():
+    # with steps == gen_length exactly one token is committed per step, and block 2 only after block 1 is full
+    model = tiny(True)
+    order = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+            self.forward = self._fwd
+
+        def _fwd(self, input_ids, **kw):
+            order.append(int((input_ids == MASK).sum()))
+            return self.m(input_ids=input_ids, **kw)
+
+    sample.sample_llada(Spy(model), torch.tensor([PROMPTS[0]]), gen_length=8, block_length=4, steps=8, mask_id=MASK)
+    assert order == [8, 7, 6, 5, 4, 3, 2, 1]
+
+
+def test_llada_temperature_sampling_uses_the_generator():
+    model = tiny(True)
+    x = torch.tensor([PROMPTS[0]])
+    kw = dict(gen_length=8, block_length=8, steps=8, mask_id=MASK, temperature=1.0, remasking='random')
+    a = sample.sample_llada(model, x, generator=torch.Generator().manual_seed(1), **kw)
+    b = sample.sample_llada(model, x, generator=torch.Generator().manual_seed(1), **kw)
+    c = sample.sample_llada(model, x, generator=torch.Generator().manual_seed(2), **kw)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert not (a == MASK).any()
+
+
+def test_gumbel_noise_samples_the_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample.add_gumbel_noise(logits, 1.0, g).argmax(-1) for _ in range(4000)])
+    freq = torch.bincount(draws.flatten(), minlength=3).double() / 4000
+    assert torch.allclose(freq, torch.softmax(logits.double(), -1)[0], atol=0.03), freq
+    assert torch.equal(sample.add_gumbel_noise(logits, 0.0), logits)
+
+
+def test_ar_kv_cache_equals_no_cache():
+    model = tiny(False)
+    x, pm = sample.pad_prompts(PROMPTS, PAD)
+    a = sample.sample_ar(model, x, prompt_mask=pm, gen_length=10, use_cache=True)
+    b = sample.sample_ar(model, x, prompt_mask=pm, gen_length=10, use_cache=False)
+    assert torch.equal(a, b)
+
+
+def test_ar_padded_batch_equals_one_by_one():
+    model = tiny(False)
+    x, pm = sample.pad_prompts(PROMPTS, PAD)
+    batched = sample.sample_ar(model, x, prompt_mask=pm, gen_length=6)[:, x.shape[1]:]
+    for i, p in enumerate(PROMPTS):
+        alone = sample.sample_ar(model, torch.tensor([p]), gen_length=6)[:, len(p):]
+        assert torch.equal(batched[i], alone[0]), i
+
+
+def test_ar_matches_argmax_of_full_forward():
+    # greedy AR = repeatedly append argmax of the plain (unpadded, uncached) forward
+    model = tiny(False)
+    seq = torch.tensor([PROMPTS[2]])
+    out = sample.sample_ar(model, seq, gen_length=5)
+    for _ in range(5):
+        seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+
+
+def test_generate_cuts_at_eos():
+    model = tiny(False)
+    out = sample.generate(model, PROMPTS, sampler='ar', pad_id=PAD, eos_id=EOS, gen_length=6)
+    assert len(out) == 4 and all(EOS not in o and len(o) <= 6 for o in out)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, 'sample.py', *args], capture_output=True, text=True,
+                          cwd=sample.os.path.dirname(sample.__file__))
+
+
+def test_cli_errors(tmp_path):
+    r = run_cli('--checkpoint', str(tmp_path / 'nope'), '--prompt', 'x')
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: checkpoint dir '{tmp_path / 'nope'}' does not exist"]
+    r = run_cli('--checkpoint', str(tmp_path), '--prompt', 'x')
+    assert r.returncode == 2 and 'has no config.json' in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = run_cli('--checkpoint', str(tmp_path), '--sampler', 'nope', '--prompt', 'x')
+    assert r.returncode == 2 and "unknown sampler 'nope'" in r.stderr

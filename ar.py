@@ -63,7 +63,7 @@ def build_model(init_from, *, vocab_size=0, model_type='qwen3', n_layer=4, n_hea
         if bidirectional:
             config.is_causal = False  # an AR checkpoint (e.g. Qwen3) becomes a bidirectional denoiser
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            init_from, config=config, trust_remote_code=trust_remote_code, torch_dtype=torch.float32,
+            init_from, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32,
             attn_implementation=attn_implementation)
     return model
 

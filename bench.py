@@ -5,6 +5,7 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py --only=ce            # chunked cross-entropy vs naive full-logits CE
     python bench.py --only=ce --V=50304 --N=2048 --dtype=bfloat16   # smaller / other dtype
     python bench.py --only=train         # one llada training step vs a naive full-logits step
+    python bench.py --only=sample        # llada decoding: reference vs threshold vs prefix / dual KV cache
 
 Each variant runs in its own subprocess so its peak memory is its own. torch does not track CPU memory,
 so we read the kernel's counters: after the warm-up iteration (which includes any compile) the child
@@ -157,8 +158,73 @@ def train_need_mib(variant, args):
     return (5 if variant == 'naive_step' else 0.5) * args.B * args.T * args.V * 4 / 2**20
 
 
+# -----------------------------------------------------------------------------
+# sample: llada decoding speed on the trained tiny model (accuracy, NFE, generated tokens/s), Fast-dLLM style:
+# the LLaDA reference (one token per step) vs + threshold decoding vs + block-wise prefix / dual KV caches
+
+SAMPLE_VARIANTS = ['reference', 'threshold', 'threshold_blocks', 'prefix_cache', 'dual_cache']
+
+
+def sample_options(variant, meta, args):
+    """The reference uses the checkpoint's gen_length/block_length/steps (steps == gen_length: one token per step).
+    The fast variants add threshold decoding (args.threshold, top-1 always) with early stop; the block and cache
+    variants split the canvas into blocks of args.cache_block (0 = the largest divisor <= gen_length / 2) so a cache has a prefix to
+    reuse and a refresh per block, and keep steps (the schedule only sets a floor of 1 token per step)."""
+    G = meta.get('gen_length', 128)
+    ref = dict(gen_length=G, block_length=meta.get('block_length', G), steps=meta.get('steps', G))
+    fast = dict(ref, threshold=args.threshold, early_stop=True)
+    # the largest proper divisor of G above 1 (G itself when G is prime: one block, the cache holds the prompt)
+    b = args.cache_block or max([d for d in range(2, G // 2 + 1) if G % d == 0] or [G])
+    blocks = dict(fast, block_length=b)
+    return {'reference': ref, 'threshold': fast, 'threshold_blocks': blocks,
+            'prefix_cache': dict(blocks, cache='prefix'), 'dual_cache': dict(blocks, cache='dual')}[variant]
+
+
+def sample_child(variant, args):
+    import sample
+    if not os.path.isdir(args.checkpoint):
+        return {'error': f"skipped: no checkpoint {args.checkpoint!r} (run python llada.py)"}
+    torch.manual_seed(0)
+    model, tok, meta = sample.load_checkpoint(args.checkpoint)
+    records = sample.read_records(args.val)[:args.n_prompts]
+    opts = sample_options(variant, meta, args)
+    runs = []
+    for _ in range(args.iters):  # each evaluate() runs one untimed warm-up batch first
+        c0 = time.process_time()
+        r = sample.evaluate(model, tok, meta, records, 'llada', opts, batch_size=args.sample_batch, progress=False)
+        runs.append({**r, 'cpu_s': time.process_time() - c0})
+    r = sorted(runs, key=lambda r: r['wall'])[len(runs) // 2]  # the median run (accuracy and NFE are the same in all)
+    return {**r, 'opts': opts}
+
+
+def sample_report(results, args):
+    print(f"sample: llada on {args.checkpoint}, first {args.n_prompts} prompts of {args.val}, batch {args.sample_batch}, "
+          f"greedy, median of {args.iters} evals (after one warm-up batch), {torch.get_num_threads()} threads")
+    ref = results.get('reference')
+    ok = ref is not None and 'error' not in ref
+    print("| variant | settings | accuracy | NFE/prompt | tokens/forward | generated tok/s | CPU s | tok/s vs reference | accuracy vs reference |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for v, r in results.items():
+        if 'error' in r:
+            print(f"| {v} | {r['error']} | | | | | | | |")
+            continue
+        o = r['opts']
+        s = f"gen {o['gen_length']}, block {o['block_length']}, steps {o['steps']}" + \
+            (f", threshold {o['threshold']}, early stop" if o.get('threshold') else '') + \
+            (f", {o['cache']} cache" if o.get('cache') else '')
+        speed = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ok else '-'
+        dacc = f"{r['accuracy'] - ref['accuracy']:+.1f} pt" if ok else '-'
+        print(f"| {v} | {s} | {r['accuracy']:.1f}% | {r['nfe_per_prompt']:.2f} | {r['tokens_per_forward']:.2f} | "
+              f"{r['tok_s']:,.0f} | {r['cpu_s']:.2f} | {speed} | {dacc} |")
+
+
+def sample_need_mib(variant, args):
+    return 0
+
+
 SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
-            'train': (TRAIN_VARIANTS, train_child, train_report, train_need_mib)}
+            'train': (TRAIN_VARIANTS, train_child, train_report, train_need_mib),
+            'sample': (SAMPLE_VARIANTS, sample_child, sample_report, sample_need_mib)}
 
 # -----------------------------------------------------------------------------
 
@@ -182,6 +248,12 @@ def main():
     p.add_argument('--T', type=int, default=256, help='train: sequence length')
     p.add_argument('--n_layer', type=int, default=4, help='train: transformer layers')
     p.add_argument('--iters', type=int, default=3, help='timed iterations after one warm-up')
+    p.add_argument('--checkpoint', default='out-llada', help='sample: a trained llada out_dir')
+    p.add_argument('--val', default='data/add/val.jsonl', help='sample: chat JSONL prompts with answers')
+    p.add_argument('--n_prompts', type=int, default=200, help='sample: first n prompts')
+    p.add_argument('--sample_batch', type=int, default=64, help='sample: prompts per batch')
+    p.add_argument('--threshold', type=float, default=0.9, help='sample: Fast-dLLM confidence threshold')
+    p.add_argument('--cache_block', type=int, default=0, help='sample: block length of the cached variants (0 = largest divisor <= gen/2)')
     p.add_argument('--variants', default='', help='comma-separated subset of variants')
     p.add_argument('--child', default='', help=argparse.SUPPRESS)  # section:variant, run in a subprocess
     args = p.parse_args()

@@ -68,6 +68,29 @@ def build_model(init_from, *, vocab_size=0, model_type='qwen3', n_layer=4, n_hea
     return model
 
 
+def last_hidden_state(model, input_ids, attention_mask=None, position_ids=None):
+    """The final (post-norm) hidden states that the LM head consumes, (B, T, C). Native transformers models expose
+    their base model through get_decoder(); a remote-code model without one (LLaDA-8B's modeling_llada.py) falls back
+    to output_hidden_states, whose last entry is post-norm by HF convention, at the cost of its full logits."""
+    decoder = model.get_decoder()
+    if decoder is not model:
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    assert attention_mask is None and position_ids is None, \
+        f'{type(model).__name__}: custom masks/positions need a model whose get_decoder() returns its base model'
+    return model(input_ids=input_ids, output_hidden_states=True).hidden_states[-1]
+
+
+def shard_units(model):
+    """The transformer blocks that FSDP2 shards one by one: the classes named in _no_split_modules (every HF model,
+    remote code included, declares them), else get_decoder().layers."""
+    names = set(getattr(model, '_no_split_modules', None) or [])
+    units = [m for m in model.modules() if type(m).__name__ in names]
+    units = units or list(getattr(model.get_decoder(), 'layers', []))
+    if not units:
+        raise ValueError(f'{type(model).__name__}: cannot find its transformer blocks to shard (set _no_split_modules)')
+    return units
+
+
 class CausalLM(nn.Module):
     """The HF model and the next-token loss in one forward, so DDP/FSDP hooks see a single call per micro-step."""
 
@@ -78,8 +101,7 @@ class CausalLM(nn.Module):
         self.compiled_ce = compiled_ce
 
     def forward(self, input_ids, targets, weights, attention_mask=None, position_ids=None):
-        h = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids).last_hidden_state  # (B, T, C), post final norm
+        h = last_hidden_state(self.model, input_ids, attention_mask, position_ids)  # (B, T, C), post final norm
         sel = weights > 0  # (B, T) positions whose next token is supervised
         W = self.model.get_output_embeddings().weight  # (V, C)
         # only the selected rows reach the LM head, chunk by chunk: no (B, T, V) logits in forward or backward
@@ -194,8 +216,9 @@ if __name__ == '__main__':
         ddp_rank, ddp_local_rank, ddp_world_size = 0, 0, 1
     master_process = ddp_rank == 0
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    assert gradient_accumulation_steps % ddp_world_size == 0, \
-        f'gradient_accumulation_steps={gradient_accumulation_steps} must be divisible by the world size {ddp_world_size}'
+    if gradient_accumulation_steps % ddp_world_size:
+        sys.exit(f'error: gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be '
+                 f'divisible by the world size {ddp_world_size}')
     grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
     global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
 
@@ -282,7 +305,7 @@ if __name__ == '__main__':
         raw_model.get_decoder().compile()  # in place: state_dict keys keep their names (no _orig_mod.)
     if ddp and fsdp:
         from torch.distributed.fsdp import fully_shard
-        for layer in raw_model.get_decoder().layers:
+        for layer in shard_units(raw_model):
             fully_shard(layer)
         fully_shard(mdlm)  # the root: embeddings, final norm and the (tied) LM head
         train_model = mdlm
@@ -350,7 +373,7 @@ if __name__ == '__main__':
             prompts = [acc_rows[min(i, n_acc - 1)][0] for i in rows]
             with autocast:
                 gen = sampler_lib.generate(raw_model, prompts, sampler='ar', pad_id=pad_id, eos_id=eos_id,
-                                           gen_length=gen_length)
+                                           gen_length=gen_length, stop_at_eos=not (ddp and fsdp))
             for i, g in zip(rows, gen):
                 if i < n_acc:
                     hits += torch.tensor([tokenizer.decode(g).strip() == acc_rows[i][1].strip(), 1.0], device=device)

@@ -140,8 +140,9 @@ class _ChunkedCE(torch.autograd.Function):
         ctx.gh = gh
         ctx.gW = None if gW is None else gW.to(weight.dtype)  # no copy in fp32
         ctx.ce = ce if need_rw else None
-        ctx.mark_non_differentiable(correct)
-        return (ce * row_weights).sum(), correct.sum()
+        n_correct = correct.sum()
+        ctx.mark_non_differentiable(n_correct)
+        return (ce * row_weights).sum(), n_correct
 
     @staticmethod
     @torch.autograd.function.once_differentiable

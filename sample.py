@@ -365,11 +365,12 @@ def infill_llada(model, x, *, prompt_mask=None, steps=128, block_length=0, tempe
 
 @torch.no_grad()
 def sample_ar(model, x, *, prompt_mask=None, gen_length=128, steps=0, block_length=0, temperature=0.0,
-              mask_id=-1, eos_id=-1, generator=None, use_cache=True, stats=None, callback=None):
+              mask_id=-1, eos_id=-1, generator=None, use_cache=True, stop_at_eos=True, stats=None, callback=None):
     """Autoregressive decoding of a causal LM, greedy (T=0) or Gumbel-max at temperature T, with a KV cache
     (use_cache=False recomputes the whole prefix every token: the reference the cached path is tested against).
-    Stops once every row has produced eos_id (one sync per token). steps/block_length/mask_id are unused (one token
-    per forward, NFE = tokens)."""
+    Stops once every row has produced eos_id (one sync per token) unless stop_at_eos=False (always gen_length
+    forwards: FSDP ranks must run the same number). steps/block_length/mask_id are unused (one token per forward,
+    NFE = tokens)."""
     from transformers import DynamicCache
     B, P = x.shape
     valid = torch.ones_like(x, dtype=torch.bool) if prompt_mask is None else prompt_mask.to(x.device)
@@ -394,7 +395,7 @@ def sample_ar(model, x, *, prompt_mask=None, gen_length=128, steps=0, block_leng
             new = torch.zeros_like(x, dtype=torch.bool)  # (B, P + t)
             new[:, -1] = True
             callback(x, new)
-        if eos_id >= 0 and bool(done.all()):
+        if stop_at_eos and eos_id >= 0 and bool(done.all()):
             break
     if x.shape[1] < P + gen_length:  # stopped early: pad with eos to the promised shape
         x = torch.cat([x, torch.full((B, P + gen_length - x.shape[1]), eos_id, dtype=torch.long, device=x.device)], 1)

@@ -129,3 +129,19 @@ def test_lr_schedule():
     assert math.isclose(llada.get_lr(10, **kw), 1.0)
     assert math.isclose(llada.get_lr(60, **kw), 0.55)
     assert llada.get_lr(110, **kw) == 0.1 == llada.get_lr(500, **kw)
+
+
+def test_shard_units_are_the_decoder_layers():
+    model = tiny_model()
+    units = llada.shard_units(model)
+    assert units == list(model.get_decoder().layers) and len(units) == 2
+
+
+def test_last_hidden_state_fallback_matches_the_base_model():
+    # a remote-code model without a base model (get_decoder() returns itself) goes through output_hidden_states
+    model = tiny_model()
+    x = torch.randint(0, 30, (2, 12))
+    native = llada.last_hidden_state(model, x)
+    model.get_decoder = lambda: model
+    fallback = llada.last_hidden_state(model, x)
+    assert torch.allclose(native, fallback, atol=1e-6)

@@ -153,3 +153,22 @@ def test_cli_errors(tmp_path):
     assert r.returncode == 2 and 'has no config.json' in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run_cli('--checkpoint', str(tmp_path), '--sampler', 'nope', '--prompt', 'x')
     assert r.returncode == 2 and "unknown sampler 'nope'" in r.stderr
+
+
+class _AlwaysEOS(torch.nn.Module):
+    """A fake causal LM whose next token is always EOS (for the stop-at-EOS accounting)."""
+
+    def forward(self, input_ids, **kw):
+        logits = torch.zeros(*input_ids.shape, V)
+        logits[..., EOS] = 1.0
+        return type('Out', (), {'logits': logits})()
+
+
+def test_ar_stop_at_eos_and_lockstep_mode():
+    x = torch.tensor([PROMPTS[0]])
+    stats = {}
+    out = sample.sample_ar(_AlwaysEOS(), x, gen_length=6, eos_id=EOS, use_cache=False, stats=stats)
+    assert stats['nfe'] == 1 and (out[0, len(PROMPTS[0]):] == EOS).all()
+    stats = {}  # FSDP eval: every rank must run gen_length forwards
+    out2 = sample.sample_ar(_AlwaysEOS(), x, gen_length=6, eos_id=EOS, use_cache=False, stop_at_eos=False, stats=stats)
+    assert stats['nfe'] == 6 and torch.equal(out, out2)

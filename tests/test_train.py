@@ -119,3 +119,13 @@ def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, fsdp):
     assert abs(ca['metrics']['grad_norm'] - cb['metrics']['grad_norm']) < 1e-4 * ca['metrics']['grad_norm']
     for k in ca['model']:
         assert torch.allclose(ca['model'][k], cb['model'][k], atol=1e-6), k
+
+
+def test_ar_fsdp_two_ranks_with_eval(data_dir, tmp_path):
+    # smoke test of FSDP2 + the ar accuracy eval (unshard around sampling; stop_at_eos=False keeps ranks in lockstep,
+    # tested directly in test_sample.py)
+    out = str(tmp_path / 'out')
+    r = run('ar.py', f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--fsdp=True', *TINY,
+            '--eval_samples=9', '--gradient_accumulation_steps=2', nproc=2)
+    assert 'held-out exact-match accuracy' in r.stdout
+    assert ckpt(out)['step'] == 2

@@ -16,7 +16,8 @@ Each sampler is a plain function with one shape of signature,
 where x (B, P) holds the prompts LEFT-padded to a common length P and prompt_mask (B, P) marks the real tokens.
 Left padding keeps every row's canvas at the same positions; position ids count real tokens only and pad keys are
 masked, so a padded row computes what it would alone. SAMPLERS maps --sampler names to them. `stats` (a dict or
-None) gets stats['nfe'] += 1 per model forward (a batched forward is one NFE, a cached partial forward too);
+None) gets stats['nfe'] += 1 per model forward (a batched forward is one NFE, a cached partial forward too) and
+stats['row_nfe'] += the rows it carried (llada drops finished rows from its batch);
 `callback(x, changed)` (or None) sees the canvas (B, T) and the positions (B, T) bool changed by every step
 (--show uses it). Inner loops are batch-vectorised; the only host syncs are one per step where a step can end a
 block or the run early (threshold, early stop, editing), and one per block for infill.
@@ -107,9 +108,11 @@ def eos_finished(gen, mask_id, eos_id):
     return (first < G) & ~((gen == mask_id) & (idx < first[:, None])).any(1)
 
 
-def _count(stats):
+def _count(stats, rows):
+    """One forward of `rows` rows: stats['nfe'] += 1 (a batched forward is one NFE), stats['row_nfe'] += rows."""
     if stats is not None:
         stats['nfe'] = stats.get('nfe', 0) + 1
+        stats['row_nfe'] = stats.get('row_nfe', 0) + rows
 
 # -----------------------------------------------------------------------------
 # model calls
@@ -197,15 +200,19 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
       threshold t: the max(n_k, 1) most confident plus every other one with confidence >= t (Fast-dLLM §6.1; with
                    steps == gen_length, n_k = 1: top-1 always). A block ends once it is full, so NFE <= steps.
     remasking: 'low_confidence' (softmax probability of x0) or 'random' (U[0,1), no threshold).
-    early_stop: stop once every row has committed an EOS with nothing masked before it (the rest becomes EOS);
-      committed tokens never change, so the responses (cut at EOS) are those of the full run.
+    early_stop: a row is done once it has committed an EOS with nothing masked before it (its other masks become
+      EOS); committed tokens never change, so the responses (cut at EOS) are those of the full run.
+    Row retirement (threshold or early_stop): a row whose response is final (the last block full, or done by
+      early stop) leaves the batch, so later forwards cost only the rows still decoding (as a server drops finished
+      sequences); the run ends when no row is left. A greedy row decodes what it would alone either way.
     cache: 'none' (a full forward every step); 'prefix' (each block's first step is a full forward that refreshes
       the KV of every position; later steps forward only x[block_start:] and reuse the KV of positions
       < block_start) or 'dual' (later steps forward only the block and also reuse the KV of the suffix).
       APPROXIMATE by design (Fast-dLLM §6.2): inside a block the reused KV is stale, since in a bidirectional model
       the KV of the prefix depends on the tokens committed since the refresh. Exact when nothing stale can differ:
       a 1-layer model (its KV are per-token functions), or each block's first step.
-    stats: dict, stats['nfe'] += 1 per forward. callback(x (B, T), changed (B, T) bool) after every step.
+    stats: dict, stats['nfe'] += 1 per forward, stats['row_nfe'] += its rows.
+    callback(x (B, T), changed (B, T) bool) after every step.
     Returns (B, P + gen_length)."""
     _check_blocks(gen_length, block_length, steps)
     assert remasking in ('low_confidence', 'random'), f'unknown remasking {remasking!r}'
@@ -216,7 +223,9 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
     B, P = x.shape
     x, key_valid, pos, attn = make_canvas(x, prompt_mask, gen_length, mask_id)  # (B, T) each, attn (B,1,T,T)|None
     T = x.shape[1]
+    out, rows = x, torch.arange(B, device=x.device)  # the full canvas; the rows of it that x (still) holds
     eos_stop = early_stop and eos_id >= 0
+    kv = qmask = None
     if cache != 'none':
         from transformers import DynamicCache
     for nb in range(n_blocks):
@@ -241,23 +250,43 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
             else:  # dual: forward the block only against the stale prefix + suffix KV
                 logits = model_forward(model, x[:, lo:hi], mask=qmask, pos=pos[:, lo:hi], cache=kv)  # (B, bl, V)
                 kv.crop(-bl)
-            _count(stats)
+            _count(stats, x.shape[0])
             x0, conf = propose(logits, temperature, remasking, generator, mask_id)  # (B, bl) each
             commit = select(conf, x[:, lo:hi] == mask_id, schedule[:, i], threshold)  # (B, bl)
             x[:, lo:hi] = torch.where(commit, x0, x[:, lo:hi])
             if callback is not None:
-                callback(x, torch.nn.functional.pad(commit, (lo, T - hi)))
-            if threshold is not None or eos_stop:  # one host sync per step
-                flags = [(x[:, lo:hi] != mask_id).all()]  # the block is full
-                if eos_stop:
-                    flags.append(eos_finished(x[:, P:], mask_id, eos_id).all())  # every response is final
-                block_full, *finished = torch.stack(flags).tolist()
-                if finished and finished[0]:
-                    x[:, P:] = torch.where(x[:, P:] == mask_id, eos_id, x[:, P:])
-                    return x
-                if block_full and threshold is not None:
-                    break
-    return x
+                if x is not out:
+                    out[rows] = x
+                changed = torch.zeros_like(out, dtype=torch.bool)
+                changed[rows, lo:hi] = commit
+                callback(out, changed)
+            if threshold is None and not eos_stop:
+                continue  # the fixed schedule: no host sync, every row runs every step
+            # one host sync per step. A row is done once its response is final: the last block is full, or (early
+            # stop) it has an EOS with nothing masked before it. Done rows leave the batch (their masks become
+            # EOS), so later forwards only pay for the rows still decoding; each row decodes what it would alone.
+            full = (x[:, lo:hi] != mask_id).all(1)  # (B,) the row's block is full
+            fin = full & (nb == n_blocks - 1)  # (B,) the row's response is final
+            if eos_stop:
+                fin |= eos_finished(x[:, P:], mask_id, eos_id)
+            full, fin = torch.stack([full, fin]).cpu()
+            if fin.any():
+                done, keep = (i.nonzero()[:, 0].to(x.device) for i in (fin, ~fin))  # (B_done,), (B_keep,)
+                x[done, P:] = torch.where(x[done, P:] == mask_id, eos_id, x[done, P:])
+                out[rows[done]] = x[done]
+                if keep.numel() == 0:
+                    return out
+                x, key_valid, pos, schedule, rows = x[keep], key_valid[keep], pos[keep], schedule[keep], rows[keep]
+                attn = None if attn is None else attn[keep]
+                qmask = None if qmask is None else qmask[keep]
+                if kv is not None:
+                    kv.batch_select_indices(keep)
+                full = full[~fin]
+            if threshold is not None and full.all():
+                break  # every remaining row's block is full
+    if x is not out:  # x became a copy when the first rows retired
+        out[rows] = x
+    return out
 
 
 @torch.no_grad()
@@ -297,7 +326,7 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
         for i in range(S + (max_post_steps if editing else 0)):
             logits = model_forward(model, x[:, :hi], mask=None if attn is None else attn[..., :hi, :hi],
                                    pos=pos[:, :hi], keep=bl)  # (B, bl, V)
-            _count(stats)
+            _count(stats, x.shape[0])
             x0, p = propose(logits, temperature, 'low_confidence', generator, mask_id)  # (B, bl) each
             blk = x[:, lo:hi]  # (B, bl)
             cand = blk == mask_id
@@ -354,7 +383,7 @@ def infill_llada(model, x, *, prompt_mask=None, steps=128, block_length=0, tempe
             if threshold is not None and i > 0 and not bool(cand.any()):
                 break
             logits = model_forward(model, x, mask=attn, pos=pos)  # (B, T, V)
-            _count(stats)
+            _count(stats, x.shape[0])
             x0, conf = propose(logits, temperature, remasking, generator, mask_id)  # (B, T)
             commit = select(conf, cand, schedule[:, i], threshold)
             x = torch.where(commit, x0, x)
@@ -383,7 +412,7 @@ def sample_ar(model, x, *, prompt_mask=None, gen_length=128, steps=0, block_leng
             logits = model_forward(model, inp, mask=valid.long(), pos=inp_pos, keep=1, cache=cache)[:, -1]  # (B, V)
         else:
             logits = forward_logits(model, x, valid, causal=True, keep=1)[:, -1]
-        _count(stats)
+        _count(stats, x.shape[0])
         nxt = add_gumbel_noise(logits, temperature, generator).argmax(-1)  # (B,)
         if eos_id >= 0:
             nxt = torch.where(done, eos_id, nxt)
@@ -551,8 +580,9 @@ def evaluate(model, tok, meta, records, sampler, opts, *, batch_size=64, raw=Fal
     """Exact match of `sampler` on [(prompt, answer)] records, decoded batch by batch, with speed accounting.
     One untimed warm-up call on the first batch (gpt-fast's i = -1 iteration; its outputs are discarded and the
     generator is re-seeded after it). Returns a dict:
-      accuracy (%), correct, n, nfe (batched forwards, total), nfe_per_prompt (sum over batches of NFE x rows / n),
-      tokens_per_forward (response tokens / (NFE x rows)), tok_s (response tokens / wall), wall (s, timed part),
+      accuracy (%), correct, n, nfe (batched forwards, total), nfe_per_prompt (forwards each prompt took part in,
+      averaged: row_nfe / n), tokens_per_forward (response tokens / row_nfe), tok_s (response tokens / wall),
+      wall (s, timed part),
     where response tokens are the generated tokens before the first EOS."""
     from tqdm import tqdm
     device = next(model.parameters()).device
@@ -568,11 +598,11 @@ def evaluate(model, tok, meta, records, sampler, opts, *, batch_size=64, raw=Fal
     sync()
     t0 = time.perf_counter()
     for s in tqdm(range(0, len(records), batch_size), desc=f'{sampler} eval', unit='batch', disable=not progress):
-        chunk, stats = records[s:s + batch_size], {'nfe': 0}
+        chunk, stats = records[s:s + batch_size], {'nfe': 0, 'row_nfe': 0}
         outs = run(prompts[s:s + batch_size], stats)
         correct += sum(tok.decode(o).strip() == a.strip() for o, (_, a) in zip(outs, chunk))
         n_tok += sum(len(o) for o in outs)
-        nfe, row_nfe = nfe + stats['nfe'], row_nfe + stats['nfe'] * len(chunk)
+        nfe, row_nfe = nfe + stats['nfe'], row_nfe + stats['row_nfe']
     sync()
     wall = time.perf_counter() - t0
     n = max(len(records), 1)

@@ -195,6 +195,24 @@ def test_early_stop_waits_for_every_row():
                         block_length=4, steps=12, threshold=0.4, early_stop=True, stats=st1)
     assert a == b and st1['nfe'] <= st0['nfe'] <= 12
 
+@pytest.mark.parametrize('cache', ['none', 'prefix', 'dual'])
+def test_done_rows_leave_the_batch(cache):
+    # rows end (EOS) at different steps: each forward carries only the rows still decoding, and every row's
+    # response is still what it decodes alone
+    model = Wrap(tiny(), scale=30.0, eos_ramp=3.0)
+    x, pm = sample.pad_prompts(PROMPTS, PAD)
+    kw = dict(gen_length=12, block_length=4, steps=12, threshold=0.4, early_stop=True, cache=cache, mask_id=MASK,
+              eos_id=EOS)
+    out = sample.sample_llada(model, x, prompt_mask=pm, **kw)
+    sizes = [c['ids'].shape[0] for c in model.calls]
+    assert sizes[0] == 4 and sizes[-1] < 4 and sizes == sorted(sizes, reverse=True), sizes
+    assert not (out == MASK).any()
+    cut = lambda row: row[:row.index(EOS)] if EOS in row else row
+    for i, p in enumerate(PROMPTS):
+        alone = sample.sample_llada(model, torch.tensor([p]), **kw)[0, len(p):].tolist()
+        assert cut(out[i, x.shape[1]:].tolist()) == cut(alone), i
+
+
 # -----------------------------------------------------------------------------
 # Fast-dLLM caches: exact where the math says so, the difference reported otherwise
 
@@ -294,7 +312,7 @@ def test_llada2_without_editing_equals_llada_threshold():
                                 early_stop=True, mask_id=MASK, eos_id=EOS, stats=s1)
         b = sample.sample_llada2(model, x, prompt_mask=pm, gen_length=8, block_length=8, steps=8, threshold=t,
                                  early_stop=True, mask_id=MASK, eos_id=EOS, stats=s2)
-        assert torch.equal(a, b) and s1 == s2, t
+        assert torch.equal(a, b) and s1['nfe'] == s2['nfe'], t
     s = {}  # and on hand-set confidences, step by step
     model = Fixed(TABLE)
     sample.sample_llada2(model, torch.tensor([[1, 2]]), gen_length=6, block_length=6, steps=6, threshold=0.9,
@@ -364,14 +382,20 @@ def test_nfe_accounting():
     x, pm = sample.pad_prompts(PROMPTS, PAD)
     st = {}
     sample.sample_llada(model, x, prompt_mask=pm, gen_length=8, block_length=4, steps=6, mask_id=MASK, stats=st)
-    assert st == {'nfe': 6}
+    assert st == {'nfe': 6, 'row_nfe': 24}
     st = {}
     sample.sample_llada(model, x, prompt_mask=pm, gen_length=8, block_length=4, steps=6, mask_id=MASK, stats=st,
                         cache='dual')
-    assert st == {'nfe': 6}  # a cached partial forward is one NFE too
+    assert st == {'nfe': 6, 'row_nfe': 24}  # a cached partial forward is one NFE too
     st = {}
     sample.sample_ar(tiny(seed=1), x, prompt_mask=pm, gen_length=5, stats=st)
-    assert st == {'nfe': 5}
+    assert st == {'nfe': 5, 'row_nfe': 20}
+    # row_nfe counts the rows each forward carried: finished rows leave llada's batch
+    model, st = Wrap(tiny(), scale=30.0, eos_ramp=3.0), {}
+    sample.sample_llada(model, x, prompt_mask=pm, gen_length=12, block_length=4, steps=12, threshold=0.4,
+                        early_stop=True, mask_id=MASK, eos_id=EOS, stats=st)
+    rows = [c['ids'].shape[0] for c in model.calls]
+    assert st['nfe'] == len(rows) and st['row_nfe'] == sum(rows) < 4 * st['nfe'], (st, rows)
 
 
 @pytest.fixture(scope='module')

@@ -6,6 +6,7 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py --only=ce --V=50304 --N=2048 --dtype=bfloat16   # smaller / other dtype
     python bench.py --only=train         # one llada training step vs a naive full-logits step
     python bench.py --only=sample        # llada decoding: reference vs threshold vs prefix / dual KV cache
+    python bench.py --only=sample --checkpoint=out-llada-sudoku --val=data/sudoku/val.jsonl --threshold=0.9,0.999
 
 Each variant runs in its own subprocess so its peak memory is its own. torch does not track CPU memory,
 so we read the kernel's counters: after the warm-up iteration (which includes any compile) the child
@@ -87,6 +88,8 @@ def ce_report(results, args):
     print("| variant | s/iter | CPU s/iter | peak MiB above baseline | speed vs naive_compiled (wall, CPU) | memory vs naive_compiled |")
     print("|---|---|---|---|---|---|")
     for v, r in results.items():
+        if 'skip' in r:
+            continue
         if 'error' in r:
             print(f"| {v} | {r['error']} | | | | |")
             continue
@@ -146,6 +149,8 @@ def train_report(results, args):
     print("| variant | s/step | tokens/s | peak MiB above baseline | tokens/s vs naive | memory vs naive |")
     print("|---|---|---|---|---|---|")
     for v, r in results.items():
+        if 'skip' in r:
+            continue
         if 'error' in r:
             print(f"| {v} | {r['error']} | | | | |")
             continue
@@ -162,22 +167,28 @@ def train_need_mib(variant, args):
 # sample: llada decoding speed on the trained tiny model (accuracy, NFE, generated tokens/s), Fast-dLLM style:
 # the LLaDA reference (one token per step) vs + threshold decoding vs + block-wise prefix / dual KV caches
 
-SAMPLE_VARIANTS = ['reference', 'threshold', 'threshold_blocks', 'prefix_cache', 'dual_cache']
+FAST_VARIANTS = ['threshold', 'threshold_blocks', 'prefix_cache', 'dual_cache']
+
+
+def sample_variants(args):
+    """'reference', then each fast variant at each --threshold ('name@t')."""
+    return ['reference'] + [f'{v}@{t}' for t in args.threshold.split(',') for v in FAST_VARIANTS]
 
 
 def sample_options(variant, meta, args):
     """The reference uses the checkpoint's gen_length/block_length/steps (steps == gen_length: one token per step).
-    The fast variants add threshold decoding (args.threshold, top-1 always) with early stop; the block and cache
+    The fast variants ('name@t') add threshold decoding (t, top-1 always) with early stop; the block and cache
     variants split the canvas into blocks of args.cache_block (0 = the largest divisor <= gen_length / 2) so a cache has a prefix to
     reuse and a refresh per block, and keep steps (the schedule only sets a floor of 1 token per step)."""
     G = meta.get('gen_length', 128)
     ref = dict(gen_length=G, block_length=meta.get('block_length', G), steps=meta.get('steps', G))
-    fast = dict(ref, threshold=args.threshold, early_stop=True)
+    name, _, t = variant.partition('@')
+    fast = dict(ref, threshold=float(t or 0.9), early_stop=True)
     # the largest proper divisor of G above 1 (G itself when G is prime: one block, the cache holds the prompt)
     b = args.cache_block or max([d for d in range(2, G // 2 + 1) if G % d == 0] or [G])
     blocks = dict(fast, block_length=b)
     return {'reference': ref, 'threshold': fast, 'threshold_blocks': blocks,
-            'prefix_cache': dict(blocks, cache='prefix'), 'dual_cache': dict(blocks, cache='dual')}[variant]
+            'prefix_cache': dict(blocks, cache='prefix'), 'dual_cache': dict(blocks, cache='dual')}[name]
 
 
 def sample_child(variant, args):
@@ -188,6 +199,8 @@ def sample_child(variant, args):
     model, tok, meta = sample.load_checkpoint(args.checkpoint)
     records = sample.read_records(args.val)[:args.n_prompts]
     opts = sample_options(variant, meta, args)
+    if variant.startswith('threshold_blocks') and opts['block_length'] == opts['gen_length']:
+        return {'skip': 'one block: the same run as threshold'}
     runs = []
     for _ in range(args.iters):  # each evaluate() runs one untimed warm-up batch first
         c0 = time.process_time()
@@ -205,6 +218,8 @@ def sample_report(results, args):
     print("| variant | settings | accuracy | NFE/prompt | tokens/forward | generated tok/s | CPU s | tok/s vs reference | accuracy vs reference |")
     print("|---|---|---|---|---|---|---|---|---|")
     for v, r in results.items():
+        if 'skip' in r:
+            continue
         if 'error' in r:
             print(f"| {v} | {r['error']} | | | | | | | |")
             continue
@@ -224,7 +239,7 @@ def sample_need_mib(variant, args):
 
 SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'train': (TRAIN_VARIANTS, train_child, train_report, train_need_mib),
-            'sample': (SAMPLE_VARIANTS, sample_child, sample_report, sample_need_mib)}
+            'sample': (sample_variants, sample_child, sample_report, sample_need_mib)}
 
 # -----------------------------------------------------------------------------
 
@@ -252,7 +267,7 @@ def main():
     p.add_argument('--val', default='data/add/val.jsonl', help='sample: chat JSONL prompts with answers')
     p.add_argument('--n_prompts', type=int, default=200, help='sample: first n prompts')
     p.add_argument('--sample_batch', type=int, default=64, help='sample: prompts per batch')
-    p.add_argument('--threshold', type=float, default=0.9, help='sample: Fast-dLLM confidence threshold')
+    p.add_argument('--threshold', default='0.9', help='sample: Fast-dLLM confidence threshold(s), comma-separated')
     p.add_argument('--cache_block', type=int, default=0, help='sample: block length of the cached variants (0 = largest divisor <= gen/2)')
     p.add_argument('--variants', default='', help='comma-separated subset of variants')
     p.add_argument('--child', default='', help=argparse.SUPPRESS)  # section:variant, run in a subprocess
@@ -262,20 +277,26 @@ def main():
         section, variant = args.child.split(':')
         print(json.dumps(SECTIONS[section][1](variant, args)))
         return
+    child_argv, skip = [], False  # our own argv without --only / --variants (either as --k=v or as --k v)
+    for a in sys.argv[1:]:
+        if skip or a.startswith(('--only', '--variants')):
+            skip = a in ('--only', '--variants')
+            continue
+        child_argv.append(a)
     sections = args.only.split(',') if args.only else list(SECTIONS)
     for s in sections:
         assert s in SECTIONS, f"bench.py: unknown section {s!r} (have {', '.join(SECTIONS)})"
     for s in sections:
         variants, _, report, need_mib = SECTIONS[s]
-        if args.variants:
-            variants = [v for v in variants if v in args.variants.split(',')]
+        variants = variants(args) if callable(variants) else variants
+        if args.variants:  # by name, any threshold
+            variants = [v for v in variants if v.partition('@')[0] in args.variants.split(',')]
         results = {}
         for v in variants:
             if need_mib(v, args) > 0.8 * _mem_available_mib():
                 results[v] = {'error': f"skipped: needs ~{need_mib(v, args):.0f} MiB"}
                 continue
-            cmd = [sys.executable, os.path.abspath(__file__), f'--child={s}:{v}'] + \
-                  [a for a in sys.argv[1:] if not a.startswith(('--only', '--variants'))]
+            cmd = [sys.executable, os.path.abspath(__file__), f'--child={s}:{v}'] + child_argv
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 results[v] = {'error': f"failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-1:]}"}

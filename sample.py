@@ -201,7 +201,9 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
                    steps == gen_length, n_k = 1: top-1 always). A block ends once it is full, so NFE <= steps.
     remasking: 'low_confidence' (softmax probability of x0) or 'random' (U[0,1), no threshold).
     early_stop: a row is done once it has committed an EOS with nothing masked before it (its other masks become
-      EOS); committed tokens never change, so the responses (cut at EOS) are those of the full run.
+      EOS); committed tokens never change, so greedy responses (cut at EOS) are those of the full run. (Sampling
+      at temperature > 0 or with random remasking stays reproducible under a fixed generator, but draws its noise
+      for the rows still in the batch, so it differs from the run without early stop.)
     Row retirement (threshold or early_stop): a row whose response is final (the last block full, or done by
       early stop) leaves the batch, so later forwards cost only the rows still decoding (as a server drops finished
       sequences); the run ends when no row is left. A greedy row decodes what it would alone either way.

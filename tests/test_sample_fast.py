@@ -186,7 +186,7 @@ def test_early_stop_reduces_nfe_and_keeps_the_response():
     assert st['nfe'] == 6
 
 
-def test_early_stop_waits_for_every_row():
+def test_early_stop_keeps_every_response():
     model = Wrap(tiny(), scale=30.0, eos_ramp=3.0)
     st0, st1 = {}, {}
     a = sample.generate(model, PROMPTS, sampler='llada', pad_id=PAD, eos_id=EOS, mask_id=MASK, gen_length=12,

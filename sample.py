@@ -309,8 +309,9 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
            x0 differs with p > editing_threshold. 0.0 edits whenever the argmax changes (sglang's default edit
            threshold); the diffusers docs say None/0.0 disable editing; here only None does.
     After a row's block has no masks, up to max_post_steps more steps edit it, stopping as soon as a step changes
-    nothing (per row, so a batch decodes what each row decodes alone). early_stop: stop once every row has an EOS
+    nothing (per row, so a batch decodes what each row decodes alone). early_stop: a row is done once it has an EOS
     with nothing masked before it (checked every step without editing, once its block is settled with editing).
+    Done rows leave the batch, as in sample_llada.
     With editing off, greedy, one block (gen_length == block_length) and no confidence exactly equal to the
     threshold, this is sample_llada(threshold=t, steps=steps, early_stop) with '>' for '>='.
     Returns (B, P + gen_length)."""
@@ -318,13 +319,14 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
     editing = editing_threshold is not None
     B, P = x.shape
     x, key_valid, pos, attn = make_canvas(x, prompt_mask, gen_length, mask_id)
-    T, bl = x.shape[1], block_length
+    T, bl, n_blocks = x.shape[1], block_length, gen_length // block_length
+    out, rows = x, torch.arange(B, device=x.device)  # the full canvas; the rows of it that x (still) holds
     S = min(steps, bl)
     quota = num_transfer_tokens(torch.full((B,), bl, device=x.device), S)  # (B, S)
-    for nb in range(gen_length // bl):
+    for nb in range(n_blocks):
         lo, hi = P + nb * bl, P + (nb + 1) * bl
-        active = torch.full((B,), editing, dtype=torch.bool, device=x.device)  # (B,) the row may still edit
-        post = torch.zeros(B, dtype=torch.long, device=x.device)  # (B,) post-edit steps taken
+        active = torch.full((x.shape[0],), editing, dtype=torch.bool, device=x.device)  # (B,) the row may still edit
+        post = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)  # (B,) post-edit steps taken
         for i in range(S + (max_post_steps if editing else 0)):
             logits = model_forward(model, x[:, :hi], mask=None if attn is None else attn[..., :hi, :hi],
                                    pos=pos[:, :hi], keep=bl)  # (B, bl, V)
@@ -341,19 +343,34 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
                 commit |= edit
             x[:, lo:hi] = torch.where(commit, x0, blk)
             if callback is not None:
-                callback(x, torch.nn.functional.pad(commit, (lo, T - hi)))
+                if x is not out:
+                    out[rows] = x
+                changed = torch.zeros_like(out, dtype=torch.bool)
+                changed[rows, lo:hi] = commit
+                callback(out, changed)
+            # one host sync per step. A row is done (and leaves the batch, as in sample_llada) once its last block
+            # is settled, or (early stop) it has an EOS with nothing masked before it, and with editing its block
+            # is settled too (an edit could still change the response)
             settled = (x[:, lo:hi] != mask_id).all(1) & ~active  # (B,) nothing left to do in this block
-            flags = [settled.all()]
-            if early_stop and eos_id >= 0:  # with editing, a row's response is final once its block is settled
-                fin = eos_finished(x[:, P:hi], mask_id, eos_id)  # (B,)
-                flags.append((fin & settled if editing else fin).all())
-            all_settled, *finished = torch.stack(flags).tolist()  # one host sync per step
-            if finished and finished[0]:
-                x[:, P:] = torch.where(x[:, P:] == mask_id, eos_id, x[:, P:])
-                return x
-            if all_settled:
+            fin = settled & (nb == n_blocks - 1)
+            if early_stop and eos_id >= 0:
+                eos = eos_finished(x[:, P:hi], mask_id, eos_id)  # (B,)
+                fin |= eos & settled if editing else eos
+            settled, fin = torch.stack([settled, fin]).cpu()
+            if fin.any():
+                done, keep = (m.nonzero()[:, 0].to(x.device) for m in (fin, ~fin))  # (B_done,), (B_keep,)
+                x[done, P:] = torch.where(x[done, P:] == mask_id, eos_id, x[done, P:])
+                out[rows[done]] = x[done]
+                if keep.numel() == 0:
+                    return out
+                x, key_valid, pos, quota, rows = x[keep], key_valid[keep], pos[keep], quota[keep], rows[keep]
+                attn = None if attn is None else attn[keep]
+                active, post, settled = active[keep], post[keep], settled[~fin]
+            if settled.all():
                 break
-    return x
+    if x is not out:  # x became a copy when the first rows retired
+        out[rows] = x
+    return out
 
 
 @torch.no_grad()

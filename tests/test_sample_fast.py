@@ -195,21 +195,26 @@ def test_early_stop_keeps_every_response():
                         block_length=4, steps=12, threshold=0.4, early_stop=True, stats=st1)
     assert a == b and st1['nfe'] <= st0['nfe'] <= 12
 
-@pytest.mark.parametrize('cache', ['none', 'prefix', 'dual'])
-def test_done_rows_leave_the_batch(cache):
+LEAVE = [('llada', dict(gen_length=12, block_length=4, steps=12, threshold=0.4, early_stop=True, cache=c))
+         for c in ('none', 'prefix', 'dual')] + [
+    ('llada2', dict(gen_length=12, block_length=4, steps=4, threshold=0.4)),
+    ('llada2', dict(gen_length=12, block_length=4, steps=2, threshold=0.4, editing_threshold=0.5, max_post_steps=3))]
+
+
+@pytest.mark.parametrize('name,kw', LEAVE, ids=[f'{n}-{i}' for i, (n, _) in enumerate(LEAVE)])
+def test_done_rows_leave_the_batch(name, kw):
     # rows end (EOS) at different steps: each forward carries only the rows still decoding, and every row's
     # response is still what it decodes alone
-    model = Wrap(tiny(), scale=30.0, eos_ramp=3.0)
+    model = Wrap(tiny(), scale=30.0, eos_ramp=3.0, edit='editing_threshold' in kw)
     x, pm = sample.pad_prompts(PROMPTS, PAD)
-    kw = dict(gen_length=12, block_length=4, steps=12, threshold=0.4, early_stop=True, cache=cache, mask_id=MASK,
-              eos_id=EOS)
-    out = sample.sample_llada(model, x, prompt_mask=pm, **kw)
+    fn = lambda x, pm: sample.SAMPLERS[name](model, x, prompt_mask=pm, mask_id=MASK, eos_id=EOS, **kw)
+    out = fn(x, pm)
     sizes = [c['ids'].shape[0] for c in model.calls]
     assert sizes[0] == 4 and sizes[-1] < 4 and sizes == sorted(sizes, reverse=True), sizes
     assert not (out == MASK).any()
     cut = lambda row: row[:row.index(EOS)] if EOS in row else row
     for i, p in enumerate(PROMPTS):
-        alone = sample.sample_llada(model, torch.tensor([p]), **kw)[0, len(p):].tolist()
+        alone = fn(torch.tensor([p]), None)[0, len(p):].tolist()
         assert cut(out[i, x.shape[1]:].tolist()) == cut(alone), i
 
 

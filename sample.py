@@ -108,6 +108,21 @@ def eos_finished(gen, mask_id, eos_id):
     return (first < G) & ~((gen == mask_id) & (idx < first[:, None])).any(1)
 
 
+def retire(fin, out, rows, x, P, mask_id, eos_id):
+    """Rows of x marked by fin (B,) bool (on the host) are done: their remaining [MASK]s after the prompt become EOS
+    and they are written into the full canvas `out` at `rows` (B,), x's row indices in it. -> the (B',) indices of
+    x's rows still decoding (on x's device), for take()."""
+    done, keep = (m.nonzero()[:, 0].to(x.device) for m in (fin, ~fin))  # (B_done,), (B',)
+    x[done, P:] = torch.where(x[done, P:] == mask_id, eos_id, x[done, P:])
+    out[rows[done]] = x[done]
+    return keep
+
+
+def take(keep, *tensors):
+    """The rows `keep` of each per-row tensor (None stays None)."""
+    return [None if t is None else t[keep] for t in tensors]
+
+
 def _count(stats, rows):
     """One forward of `rows` rows: stats['nfe'] += 1 (a batched forward is one NFE), stats['row_nfe'] += rows."""
     if stats is not None:
@@ -273,14 +288,11 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
                 fin |= eos_finished(x[:, P:], mask_id, eos_id)
             full, fin = torch.stack([full, fin]).cpu()
             if fin.any():
-                done, keep = (i.nonzero()[:, 0].to(x.device) for i in (fin, ~fin))  # (B_done,), (B_keep,)
-                x[done, P:] = torch.where(x[done, P:] == mask_id, eos_id, x[done, P:])
-                out[rows[done]] = x[done]
+                keep = retire(fin, out, rows, x, P, mask_id, eos_id)  # (B',) the rows still decoding
                 if keep.numel() == 0:
                     return out
-                x, key_valid, pos, schedule, rows = x[keep], key_valid[keep], pos[keep], schedule[keep], rows[keep]
-                attn = None if attn is None else attn[keep]
-                qmask = None if qmask is None else qmask[keep]
+                x, key_valid, pos, schedule, rows, attn, qmask = take(keep, x, key_valid, pos, schedule, rows, attn,
+                                                                      qmask)
                 if kv is not None:
                     kv.batch_select_indices(keep)
                 full = full[~fin]
@@ -358,14 +370,12 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
                 fin |= eos & settled if editing else eos
             settled, fin = torch.stack([settled, fin]).cpu()
             if fin.any():
-                done, keep = (m.nonzero()[:, 0].to(x.device) for m in (fin, ~fin))  # (B_done,), (B_keep,)
-                x[done, P:] = torch.where(x[done, P:] == mask_id, eos_id, x[done, P:])
-                out[rows[done]] = x[done]
+                keep = retire(fin, out, rows, x, P, mask_id, eos_id)  # (B',) the rows still decoding
                 if keep.numel() == 0:
                     return out
-                x, key_valid, pos, quota, rows = x[keep], key_valid[keep], pos[keep], quota[keep], rows[keep]
-                attn = None if attn is None else attn[keep]
-                active, post, settled = active[keep], post[keep], settled[~fin]
+                x, key_valid, pos, quota, rows, attn, active, post = take(keep, x, key_valid, pos, quota, rows, attn,
+                                                                          active, post)
+                settled = settled[~fin]
             if settled.all():
                 break
     if x is not out:  # x became a copy when the first rows retired

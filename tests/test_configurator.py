@@ -265,3 +265,20 @@ def test_script_end_to_end_in_subprocess(tmp_path):
     helped = run('-h')
     assert helped.returncode == 0
     assert ['--n_layer=2', 'int', 'transformer', 'blocks'] in [l.split() for l in helped.stdout.splitlines()]
+
+
+@pytest.mark.parametrize('path', sorted(Path(__file__).resolve().parents[1].glob('config/*.py')),
+                         ids=lambda p: p.name)
+def test_shipped_configs_apply_to_their_script(path):
+    # every recipe in config/ is valid for its family script (config/<family>_<variant>.py -> <family>.py): each
+    # key exists there with the right type. The script's keys, defaults and types come from its --help
+    import ast
+    import re
+    root = path.parents[1]
+    script = root / (path.name.split('_')[0] + '.py')
+    assert script.is_file(), f'{path.name}: no family script {script.name}'
+    out = subprocess.run([sys.executable, str(script), '--help'], cwd=root, capture_output=True, text=True).stdout
+    defaults = {k: ast.literal_eval(v) for k, v in re.findall(r'^  --(\w+)=(.*?)\s{2,}\w+\s', out, re.M)}
+    assert len(defaults) > 20, out
+    config = apply_overrides(defaults, [str(path)])  # raises ConfigError naming file:line on a bad key or type
+    assert config.keys() == defaults.keys()

@@ -118,6 +118,16 @@ def retire(fin, out, rows, x, P, mask_id, eos_id):
     return keep
 
 
+def report(callback, out, rows, x, commit, lo):
+    """callback(full canvas (B, T), changed (B, T) bool) for a step that committed `commit` (B', n) at [lo, lo + n)
+    of x's rows (B', T), which sit at `rows` of `out`."""
+    if x is not out:
+        out[rows] = x
+    changed = torch.zeros_like(out, dtype=torch.bool)
+    changed[rows, lo:lo + commit.shape[1]] = commit
+    callback(out, changed)
+
+
 def take(keep, *tensors):
     """The rows `keep` of each per-row tensor (None stays None)."""
     return [None if t is None else t[keep] for t in tensors]
@@ -272,11 +282,7 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
             commit = select(conf, x[:, lo:hi] == mask_id, schedule[:, i], threshold)  # (B, bl)
             x[:, lo:hi] = torch.where(commit, x0, x[:, lo:hi])
             if callback is not None:
-                if x is not out:
-                    out[rows] = x
-                changed = torch.zeros_like(out, dtype=torch.bool)
-                changed[rows, lo:hi] = commit
-                callback(out, changed)
+                report(callback, out, rows, x, commit, lo)
             if threshold is None and not eos_stop:
                 continue  # the fixed schedule: no host sync, every row runs every step
             # one host sync per step. A row is done once its response is final: the last block is full, or (early
@@ -355,11 +361,7 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
                 commit |= edit
             x[:, lo:hi] = torch.where(commit, x0, blk)
             if callback is not None:
-                if x is not out:
-                    out[rows] = x
-                changed = torch.zeros_like(out, dtype=torch.bool)
-                changed[rows, lo:hi] = commit
-                callback(out, changed)
+                report(callback, out, rows, x, commit, lo)
             # one host sync per step. A row is done (and leaves the batch, as in sample_llada) once its last block
             # is settled, or (early stop) it has an EOS with nothing masked before it, and with editing its block
             # is settled too (an edit could still change the response)

@@ -207,10 +207,20 @@ def test_done_rows_leave_the_batch(name, kw):
     # response is still what it decodes alone
     model = Wrap(tiny(), scale=30.0, eos_ramp=3.0, edit='editing_threshold' in kw)
     x, pm = sample.pad_prompts(PROMPTS, PAD)
-    fn = lambda x, pm: sample.SAMPLERS[name](model, x, prompt_mask=pm, mask_id=MASK, eos_id=EOS, **kw)
-    out = fn(x, pm)
+    fn = lambda x, pm, cb=None: sample.SAMPLERS[name](model, x, prompt_mask=pm, mask_id=MASK, eos_id=EOS,
+                                                      callback=cb, **kw)
+    seen = []
+    out = fn(x, pm, lambda canvas, changed: seen.append((canvas.clone(), changed.clone())))
     sizes = [c['ids'].shape[0] for c in model.calls]
     assert sizes[0] == 4 and sizes[-1] < 4 and sizes == sorted(sizes, reverse=True), sizes
+    # the callback sees the full canvas every step: what changed is what differs from the previous canvas (a row
+    # that left the batch changes nothing any more; its masks turned EOS at once are not reported)
+    prev = torch.cat([x, torch.full((4, kw['gen_length']), MASK)], 1)
+    for canvas, changed in seen:
+        assert canvas.shape == prev.shape and (changed.any() or 'editing_threshold' in kw)  # a last edit step may not
+        assert torch.equal(changed & (canvas != prev), changed), 'reported a change that did not happen'
+        assert not ((canvas != prev) & ~changed & (canvas != EOS)).any(), 'a change was not reported'
+        prev = canvas
     assert not (out == MASK).any()
     cut = lambda row: row[:row.index(EOS)] if EOS in row else row
     for i, p in enumerate(PROMPTS):

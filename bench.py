@@ -81,18 +81,24 @@ def ce_child(variant, args):
     return _measure(step, args.iters)
 
 
+def measured(results, header):
+    """Print a markdown table header; yield the (variant, result) rows that ran, after printing a row for each
+    that failed or was skipped for memory ('skip' rows, duplicates of another, are left out)."""
+    print(header)
+    print('|' + '---|' * header.count(' | ') + '---|')
+    for v, r in results.items():
+        if 'error' in r:
+            print(f"| {v} | {r['error']} |" + ' |' * (header.count(' | ') - 1))
+        elif 'skip' not in r:
+            yield v, r
+
+
 def ce_report(results, args):
     print(f"ce: N={args.N} rows, d={args.d}, V={args.V}, {args.dtype}, forward+backward, "
           f"median of {args.iters}, {torch.get_num_threads()} threads, chunk_size={args.chunk_size or kernels.auto_chunk_size(args.V)}")
     ref = results.get('naive_compiled')
-    print("| variant | s/iter | CPU s/iter | peak MiB above baseline | speed vs naive_compiled (wall, CPU) | memory vs naive_compiled |")
-    print("|---|---|---|---|---|---|")
-    for v, r in results.items():
-        if 'skip' in r:
-            continue
-        if 'error' in r:
-            print(f"| {v} | {r['error']} | | | | |")
-            continue
+    header = "| variant | s/iter | CPU s/iter | peak MiB above baseline | speed vs naive_compiled (wall, CPU) | memory vs naive_compiled |"
+    for v, r in measured(results, header):
         ok = ref is not None and 'error' not in ref
         speed = f"{ref['s'] / r['s']:.2f}x, {ref['cpu_s'] / r['cpu_s']:.2f}x" if ok else '-'
         mem = f"{r['mib'] / ref['mib']:.3f}" if ok and ref['mib'] > 0 else '-'
@@ -146,14 +152,8 @@ def train_report(results, args):
           f"B={args.B} x T={args.T}, fp32, median of {args.iters}, {torch.get_num_threads()} threads")
     ref = results.get('naive_step')
     ok = ref is not None and 'error' not in ref
-    print("| variant | s/step | tokens/s | peak MiB above baseline | tokens/s vs naive | memory vs naive |")
-    print("|---|---|---|---|---|---|")
-    for v, r in results.items():
-        if 'skip' in r:
-            continue
-        if 'error' in r:
-            print(f"| {v} | {r['error']} | | | | |")
-            continue
+    header = "| variant | s/step | tokens/s | peak MiB above baseline | tokens/s vs naive | memory vs naive |"
+    for v, r in measured(results, header):
         speed = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ok else '-'
         mem = f"{r['mib'] / ref['mib']:.3f}" if ok and ref['mib'] > 0 else '-'
         print(f"| {v} | {r['s']:.2f} | {r['tok_s']:,.0f} | {r['mib']:.0f} | {speed} | {mem} |")
@@ -215,14 +215,8 @@ def sample_report(results, args):
           f"greedy, median of {args.iters} evals (after one warm-up batch), {torch.get_num_threads()} threads")
     ref = results.get('reference')
     ok = ref is not None and 'error' not in ref
-    print("| variant | settings | accuracy | NFE/prompt | tokens/forward | generated tok/s | CPU s | tok/s vs reference | accuracy vs reference |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for v, r in results.items():
-        if 'skip' in r:
-            continue
-        if 'error' in r:
-            print(f"| {v} | {r['error']} | | | | | | | |")
-            continue
+    header = "| variant | settings | accuracy | NFE/prompt | tokens/forward | generated tok/s | CPU s | tok/s vs reference | accuracy vs reference |"
+    for v, r in measured(results, header):
         o = r['opts']
         s = f"gen {o['gen_length']}, block {o['block_length']}, steps {o['steps']}" + \
             (f", threshold {o['threshold']}, early stop" if o.get('threshold') else '') + \

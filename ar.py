@@ -24,72 +24,12 @@ import time
 import torch
 import torch.nn as nn
 
+import hf
 import kernels
+from data.loader import collate, pack as pack_rows
 
 # -----------------------------------------------------------------------------
 # model
-
-def build_model(init_from, *, vocab_size=0, model_type='qwen3', n_layer=4, n_head=4, n_kv_head=4, n_embd=128,
-                intermediate_size=0, max_seq_len=256, rope_theta=10000.0, trust_remote_code=False, bidirectional=False,
-                attn_implementation='sdpa', hf_config=None):
-    """A Hugging Face model: a tiny Qwen3/Llama built from the arguments ('scratch'), a rebuilt config (hf_config, a
-    dict from a checkpoint), or a local checkpoint directory. bidirectional=False keeps the causal mask (AR)."""
-    import transformers
-    transformers.logging.disable_progress_bar()
-    if hf_config is not None:  # rebuild from a checkpoint's stored config (weights are loaded by the caller)
-        config = transformers.AutoConfig.for_model(**hf_config)
-        config._attn_implementation = attn_implementation
-        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    elif init_from == 'scratch':
-        assert vocab_size > 0, 'scratch models need a vocab_size (from meta.json)'
-        assert n_embd % n_head == 0, f'n_embd={n_embd} must be divisible by n_head={n_head}'
-        assert n_head % n_kv_head == 0, f'n_head={n_head} must be divisible by n_kv_head={n_kv_head}'
-        common = dict(vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=intermediate_size or 3 * n_embd,
-                      num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
-                      max_position_embeddings=max_seq_len, rope_theta=rope_theta, tie_word_embeddings=True,
-                      attn_implementation=attn_implementation)
-        if model_type == 'qwen3':
-            config = transformers.Qwen3Config(head_dim=n_embd // n_head, **common)
-        elif model_type == 'llama':
-            config = transformers.LlamaConfig(head_dim=n_embd // n_head, **common)
-        else:
-            raise ValueError(f"model_type must be 'qwen3' or 'llama', got {model_type!r}")
-        config.is_causal = not bidirectional  # saved in config.json, so the HF export stays bidirectional
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    else:
-        if not os.path.isfile(os.path.join(init_from, 'config.json')):
-            raise FileNotFoundError(f'init_from={init_from!r}: no config.json there (expected a local HF checkpoint dir)')
-        config = transformers.AutoConfig.from_pretrained(init_from, trust_remote_code=trust_remote_code)
-        if bidirectional:
-            config.is_causal = False  # an AR checkpoint (e.g. Qwen3) becomes a bidirectional denoiser
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            init_from, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32,
-            attn_implementation=attn_implementation)
-    return model
-
-
-def last_hidden_state(model, input_ids, attention_mask=None, position_ids=None):
-    """The final (post-norm) hidden states that the LM head consumes, (B, T, C). Native transformers models expose
-    their base model through get_decoder(); a remote-code model without one (LLaDA-8B's modeling_llada.py) falls back
-    to output_hidden_states, whose last entry is post-norm by HF convention, at the cost of its full logits."""
-    decoder = model.get_decoder()
-    if decoder is not model:
-        return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    assert attention_mask is None and position_ids is None, \
-        f'{type(model).__name__}: custom masks/positions need a model whose get_decoder() returns its base model'
-    return model(input_ids=input_ids, output_hidden_states=True).hidden_states[-1]
-
-
-def shard_units(model):
-    """The transformer blocks that FSDP2 shards one by one: the classes named in _no_split_modules (every HF model,
-    remote code included, declares them), else get_decoder().layers."""
-    names = set(getattr(model, '_no_split_modules', None) or [])
-    units = [m for m in model.modules() if type(m).__name__ in names]
-    units = units or list(getattr(model.get_decoder(), 'layers', []))
-    if not units:
-        raise ValueError(f'{type(model).__name__}: cannot find its transformer blocks to shard (set _no_split_modules)')
-    return units
-
 
 class CausalLM(nn.Module):
     """The HF model and the next-token loss in one forward, so DDP/FSDP hooks see a single call per micro-step."""
@@ -101,7 +41,7 @@ class CausalLM(nn.Module):
         self.compiled_ce = compiled_ce
 
     def forward(self, input_ids, targets, weights, attention_mask=None, position_ids=None):
-        h = last_hidden_state(self.model, input_ids, attention_mask, position_ids)  # (B, T, C), post final norm
+        h = hf.last_hidden_state(self.model, input_ids, attention_mask, position_ids)  # (B, T, C), post final norm
         sel = weights > 0  # (B, T) positions whose next token is supervised
         W = self.model.get_output_embeddings().weight  # (V, C)
         # only the selected rows reach the LM head, chunk by chunk: no (B, T, V) logits in forward or backward
@@ -131,6 +71,52 @@ def get_lr(it, *, learning_rate, min_lr, warmup_iters, lr_decay_iters):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
+def make_batch(examples, *, pad_id, eos_id, max_seq_len, pad_seq_len_divisible=1, supervise_padding=False,
+               pack=False):
+    """[(ids, loss_mask)] examples -> one micro-batch, a dict of (R, T) tensors: input_ids (x_0), targets (the next
+    tokens), weights and loss_mask (1 where the next token is supervised), and with pack=True doc_ids and
+    position_ids. Packed rows never predict across a document boundary (the last token of a document has no
+    target)."""
+    if not pack:
+        b = collate(examples, pad_id=pad_id, eos_id=eos_id, max_seq_len=max_seq_len,
+                    pad_seq_len_divisible=pad_seq_len_divisible, supervise_padding=supervise_padding)
+        targets, w = shift_targets(b['input_ids'], b['loss_mask'], pad_id)
+        return dict(input_ids=b['input_ids'], targets=targets, weights=w, loss_mask=w)
+    b = pack_rows(examples, seq_len=max_seq_len, pad_id=pad_id)
+    targets, w = shift_targets(b['input_ids'], b['loss_mask'], pad_id)
+    doc = b['doc_ids']
+    w[:, :-1] *= (doc[:, 1:] == doc[:, :-1]).float()  # (R, T-1) the next token is in the same document
+    return dict(input_ids=b['input_ids'], targets=targets, weights=w, loss_mask=w, doc_ids=doc,
+                position_ids=b['position_ids'])
+
+
+def attention_for(model, batch, device):
+    """The attention mask of a micro-batch for the model's backend (hf.attention_mask): per-document causal for
+    packed rows; causal for padded rows (no mask on SDPA: the model is causal; an explicit BlockMask on flex)."""
+    B, T = batch['input_ids'].shape
+    if 'doc_ids' in batch:
+        doc = batch['doc_ids'].to(device)
+        return hf.attention_mask(model, kernels.document(kernels.causal(), doc, doc), B, T, T, device)
+    if hf.uses_flex(model):
+        return hf.attention_mask(model, kernels.causal(), B, T, T, device)
+    return None
+
+
+def git_commit():
+    """The source's git commit (+ '-dirty' with uncommitted changes), or '' outside a git checkout."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        run = lambda *a: subprocess.run(['git', *a], cwd=here, capture_output=True, text=True, timeout=10)
+        head = run('rev-parse', '--short=12', 'HEAD')
+        if head.returncode:
+            return ''
+        dirty = run('status', '--porcelain', '--untracked-files=no').stdout.strip()
+        return head.stdout.strip() + ('-dirty' if dirty else '')
+    except (OSError, subprocess.SubprocessError):
+        return ''
+
+
 def save_atomic(obj, path):
     """torch.save to a temp file, then rename: a crash mid-write never leaves a truncated checkpoint."""
     tmp = path + '.tmp'
@@ -158,9 +144,9 @@ if __name__ == '__main__':
     batch_size = 256  # examples per micro-batch per rank
     gradient_accumulation_steps = 1  # micro-steps per optimizer step, in total over all ranks (divided by world size)
     max_seq_len = 64  # longer examples are dropped at prepare time; collation caps rows here
-    pad_block_size = 1  # >1: EOS-fill each row to a multiple of this (supervised, unattended)
     pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
     supervise_padding = False  # AR stops at its EOS: padding after it need not be trained
+    pack = False  # pack several examples per row of max_seq_len (per-document attention) instead of padding
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
     n_layer = 4  # transformer layers (scratch)
@@ -195,7 +181,7 @@ if __name__ == '__main__':
     import numpy as np
     import torch.distributed as dist
     from contextlib import nullcontext
-    from data.loader import TokenDataset, collate, batch_indices
+    from data.loader import TokenDataset, TextWindows, batch_indices
     from data.prepare import ensure_synthetic
     from data.tokenizer import load_tokenizer
     import sample as sampler_lib
@@ -246,7 +232,7 @@ if __name__ == '__main__':
     if device_type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(seed)  # model init; the data order uses its own generator
+    torch.manual_seed(seed)  # model init only: the data order (and any corruption) use their own generators
 
     # -------------------------------------------------------------------------
     # data
@@ -260,17 +246,29 @@ if __name__ == '__main__':
     tokenizer = load_tokenizer(meta)
     pad_id, eos_id = meta['pad_id'], meta['eos_id']
 
+    text = meta.get('kind') == 'text'  # raw text: windows of max_seq_len tokens, every token supervised
+    if text:
+        try:
+            train_ds, val_ds = TextWindows(train_ds, max_seq_len), TextWindows(val_ds, max_seq_len)
+        except ValueError as e:
+            print(f'error: {data_dir}: {e}', file=sys.stderr)
+            finish(1)
+
     def get_batch(ds, idx):
-        b = collate(ds.examples(idx.tolist()), pad_id=pad_id, eos_id=eos_id, block_size=pad_block_size,
-                    pad_seq_len_divisible=pad_seq_len_divisible, max_seq_len=max_seq_len,
-                    supervise_padding=supervise_padding)
-        return b['input_ids'], b['loss_mask']
+        """The micro-batch dict of examples idx (B,): collated (or packed), with shifted targets."""
+        return make_batch(ds.examples(idx.tolist()), pad_id=pad_id, eos_id=eos_id, max_seq_len=max_seq_len,
+                          pad_seq_len_divisible=pad_seq_len_divisible, supervise_padding=supervise_padding,
+                          pack=pack)
+
+    def pos_of(mb):
+        return mb['position_ids'].to(device) if 'position_ids' in mb else None
 
     # -------------------------------------------------------------------------
     # model
     os.makedirs(out_dir, exist_ok=True)
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
     start_step, checkpoint = 0, None
+    attn_implementation = hf.default_attn_implementation(device)  # flex_attention on CUDA, sdpa on CPU
     if init_from == 'resume':
         if not os.path.exists(ckpt_path):
             print(f'error: init_from=resume but {ckpt_path} does not exist', file=sys.stderr)
@@ -278,17 +276,19 @@ if __name__ == '__main__':
         checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
         hf_config = json.loads(checkpoint['model_args'])
         if 'auto_map' in hf_config:  # remote-code model: its code travels with the HF export
-            model = build_model(os.path.join(out_dir, 'hf'), trust_remote_code=trust_remote_code)
+            model = hf.build_model(os.path.join(out_dir, 'hf'), trust_remote_code=trust_remote_code,
+                                   bidirectional=False, attn_implementation=attn_implementation)
         else:
-            model = build_model('scratch', hf_config=hf_config)
+            model = hf.build_model('scratch', hf_config=hf_config, attn_implementation=attn_implementation)
         model.load_state_dict(checkpoint['model'])
         start_step = checkpoint['step']
     else:
         try:
-            model = build_model(init_from, vocab_size=meta['vocab_size'], model_type=model_type, n_layer=n_layer,
-                                n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
-                                intermediate_size=intermediate_size, max_seq_len=max(max_seq_len, 256),
-                                rope_theta=rope_theta, trust_remote_code=trust_remote_code)
+            model = hf.build_model(init_from, vocab_size=meta['vocab_size'], model_type=model_type, n_layer=n_layer,
+                                   n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                                   intermediate_size=intermediate_size, max_seq_len=max(max_seq_len, 256),
+                                   rope_theta=rope_theta, trust_remote_code=trust_remote_code, bidirectional=False,
+                                   attn_implementation=attn_implementation)
         except (OSError, ValueError) as e:  # a missing/incomplete checkpoint dir, a bad model_type
             print(f'error: {str(e).splitlines()[0]}', file=sys.stderr)
             finish(1)
@@ -305,7 +305,7 @@ if __name__ == '__main__':
         raw_model.get_decoder().compile()  # in place: state_dict keys keep their names (no _orig_mod.)
     if ddp and fsdp:
         from torch.distributed.fsdp import fully_shard
-        for layer in shard_units(raw_model):
+        for layer in hf.shard_units(raw_model):
             fully_shard(layer)
         fully_shard(mdlm)  # the root: embeddings, final norm and the (tied) LM head
         train_model = mdlm
@@ -352,7 +352,9 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # eval
-    n_acc = min(eval_samples, len(val_ds))
+    n_acc = 0 if text else min(eval_samples, len(val_ds))  # raw text has no prompts to answer
+    if text and eval_samples > 0:
+        print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
     acc_rows = []  # (prompt ids incl. the assistant header, reference answer text) of the first n_acc val examples
     for i in range(n_acc):
         ids, lm = val_ds.example(i)
@@ -390,21 +392,24 @@ if __name__ == '__main__':
         tot = torch.zeros(2, device=device)  # Σ weighted CE, Σ supervised tokens
         for i in range(eval_iters):
             rows = torch.arange(batch_size) + (i * ddp_world_size + ddp_rank) * batch_size
-            idx = rows % len(val_ds)
-            x0, lm = get_batch(val_ds, idx)
-            targets, w = shift_targets(x0, lm, pad_id)
+            mb = get_batch(val_ds, rows % len(val_ds))
             with autocast:
-                ce, _ = train_model(x0.to(device), targets.to(device), w.to(device))
-            tot += torch.stack([ce.float(), w.sum().to(device)])
+                ce, _ = train_model(mb['input_ids'].to(device), mb['targets'].to(device), mb['weights'].to(device),
+                                    attention_for(raw_model, mb, device), pos_of(mb))
+            tot += torch.stack([ce.float(), mb['loss_mask'].sum().to(device)])
         all_sum(tot)
         out = {'val_loss': (tot[0] / tot[1].clamp_min(1)).item()}
-        if eval_samples > 0:
+        if n_acc > 0:
             out['accuracy'] = accuracy()
         mdlm.train()
         return out
 
     # -------------------------------------------------------------------------
     # training loop
+    lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
+    # the resolved values ('auto', -1 and the like replaced by what this run uses), logged and saved with ckpt.pt
+    config.update(device=device, dtype=dtype, lr_decay_iters=lr_decay_iters, data_dir=data_dir,
+                  attn_implementation=attn_implementation, world_size=ddp_world_size, git_commit=git_commit())
     if master_process:
         log_file = open(os.path.join(out_dir, 'log.txt'), 'a')
         log_file.write(f'# ar.py torch {torch.__version__} device {device} world {ddp_world_size}\n'
@@ -412,7 +417,6 @@ if __name__ == '__main__':
     if wandb_log and master_process:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
-    lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
     metrics = {}
     step = start_step
     t0 = time.time()
@@ -426,14 +430,12 @@ if __name__ == '__main__':
         for m in range(grad_accum):
             idx = batch_indices(len(train_ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
                                 world_size=ddp_world_size, grad_accum=grad_accum)
-            x0, lm = get_batch(train_ds, idx)
-            targets, w = shift_targets(x0, lm, pad_id)
-            micro.append((x0, targets, w, w, w))
-        counts = torch.tensor([sum(mb[3].sum() for mb in micro), sum(mb[4].sum() for mb in micro),
-                               sum(mb[0].numel() for mb in micro)], dtype=torch.float64, device=device)
+            micro.append(get_batch(train_ds, idx))
+        counts = torch.tensor([sum(mb['loss_mask'].sum() for mb in micro), sum(mb['loss_mask'].sum() for mb in micro),
+                               sum(mb['input_ids'].numel() for mb in micro)], dtype=torch.float64, device=device)
         n_sup, n_noise, n_tok = all_sum(counts).tolist()
-        loss_sum = torch.zeros(2, device=device)  # Σ loss, Σ correct (argmax == target on masked positions)
-        for m, (x0, targets, w, _, _) in enumerate(micro):
+        loss_sum = torch.zeros(2, device=device)  # Σ loss, Σ correct (argmax == target on supervised targets)
+        for m, mb in enumerate(micro):
             last = m == grad_accum - 1
             if ddp and fsdp:
                 train_model.set_requires_gradient_sync(last)
@@ -441,7 +443,8 @@ if __name__ == '__main__':
                 # set before forward: DDP reads it there (setting it late silently breaks accumulation)
                 train_model.require_backward_grad_sync = last
             with autocast:
-                ce, n_correct = train_model(x0.to(device), targets.to(device), w.to(device))
+                ce, n_correct = train_model(mb['input_ids'].to(device), mb['targets'].to(device),
+                                            mb['weights'].to(device), attention_for(raw_model, mb, device), pos_of(mb))
                 loss = ce / max(n_sup, 1.0)  # mean over the global number of supervised targets
             # DDP/FSDP average gradients over ranks; the loss is already a global mean, so undo the 1/world
             (loss * ddp_world_size).backward()
@@ -459,11 +462,11 @@ if __name__ == '__main__':
         dt = time.time() - t0
         t0 = time.time()
         metrics = {'step': step, 'loss': step_loss, 'grad_norm': float(grad_norm), 'lr': lr,
-                   'acc': loss_sum[1].item() / max(n_noise, 1.0), 'supervised_tokens': int(n_sup),
+                   'token_acc': loss_sum[1].item() / max(n_noise, 1.0), 'supervised_tokens': int(n_sup),
                    'tok_per_s': n_tok / dt}
         if step % log_interval == 0 or step == start_step + 1:
             line = (f"step {step} | loss {step_loss:.6f} | grad_norm {metrics['grad_norm']:.4f} | lr {lr:.3e} | "
-                    f"acc {metrics['acc']:.3f} | sup {int(n_sup)} | tok/s {n_tok / dt:,.0f} | dt {dt*1000:.0f}ms")
+                    f"token_acc {metrics['token_acc']:.3f} | sup {int(n_sup)} | tok/s {n_tok / dt:,.0f} | dt {dt*1000:.0f}ms")
             print0(line)
             if master_process:
                 log_file.write(line + '\n'); log_file.flush()

@@ -5,8 +5,12 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py --only=ce            # chunked cross-entropy vs naive full-logits CE
     python bench.py --only=ce --V=50304 --N=2048 --dtype=bfloat16   # smaller / other dtype
     python bench.py --only=train         # one llada training step vs a naive full-logits step
+    python bench.py --only=pack --V=50304 --T=512   # llada step on mixed-length chat: packed rows vs padded rows
     python bench.py --only=sample        # llada decoding: reference vs threshold vs prefix / dual KV cache
     python bench.py --only=sample --checkpoint=out-llada-sudoku --val=data/sudoku/val.jsonl --threshold=0.9,0.999
+    python bench.py --only=gpu           # every CUDA path of a llada step (flex, bf16, compile, FSDP2) checked against
+                                         # its reference, then tokens/s + MFU of a ~0.5B model; exits 1 if a check fails
+    python bench.py --only=gpu --toy     # the same at a tiny size (the default on CPU, where flex runs forward only)
 
 Each variant runs in its own subprocess so its peak memory is its own. torch does not track CPU memory,
 so we read the kernel's counters: after the warm-up iteration (which includes any compile) the child
@@ -24,6 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import hf
 import kernels
 
 
@@ -122,7 +127,7 @@ def train_child(variant, args):
     import llada
     torch.manual_seed(0)
     V, B, T = args.V, args.B, args.T
-    model = llada.build_model('scratch', vocab_size=V, n_layer=args.n_layer, n_head=4, n_kv_head=4, n_embd=args.d,
+    model = hf.build_model('scratch', vocab_size=V, n_layer=args.n_layer, n_head=4, n_kv_head=4, n_embd=args.d,
                               intermediate_size=4 * args.d, max_seq_len=T)
     x0 = torch.randint(V - 1, (B, T))  # (B, T) clean tokens; id V-1 is the mask
     lm = torch.ones(B, T)
@@ -161,6 +166,65 @@ def train_report(results, args):
 
 def train_need_mib(variant, args):
     return (5 if variant == 'naive_step' else 0.5) * args.B * args.T * args.V * 4 / 2**20
+
+
+# -----------------------------------------------------------------------------
+# pack: a llada training step on a mixed-length chat batch, padded (one example per row, padded to the longest) vs
+# packed (examples laid end to end in rows of T, per-document attention, positions restarting): the same examples,
+# noise and loss (tests/test_batch.py), so the ratio is pure layout. tokens/s counts real (example) tokens.
+
+PACK_VARIANTS = ['padded', 'packed']
+
+
+def pack_child(variant, args):
+    import numpy as np
+    import llada
+    torch.manual_seed(0)
+    V, T, n = args.V, args.T, args.B * 4
+    rng = np.random.default_rng(0)
+    # chat-like lengths: many short exchanges, a few long ones (log-uniform in [T/16, T]), a quarter prompt
+    lengths = np.exp(rng.uniform(np.log(T // 16), np.log(T), n)).astype(int)
+    examples = [(rng.integers(0, V - 1, k), np.r_[np.zeros(k // 4, np.uint8), np.ones(k - k // 4, np.uint8)])
+                for k in lengths]
+    model = hf.build_model('scratch', vocab_size=V, n_layer=args.n_layer, n_head=4, n_kv_head=4, n_embd=args.d,
+                           intermediate_size=4 * args.d, max_seq_len=T)
+    mb = llada.make_batch(examples, torch.arange(n), pad_id=V - 1, eos_id=V - 1, mask_id=V - 1, eps=1e-3,
+                          max_seq_len=T, supervise_padding=False, pack=variant == 'packed')
+    attn = llada.attention_for(model, mb, 'cpu')
+    if variant == 'padded':  # pad keys masked too, so both variants compute the same loss
+        B_, T_ = mb['input_ids'].shape
+        valid = torch.arange(T_)[None] < torch.as_tensor(lengths)[:, None].clamp(max=T_)
+        attn = kernels.dense_mask(kernels.bidirectional(valid), B_, T_, T_)
+    mdlm = llada.MDLM(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    n_sup = mb['loss_mask'].sum()
+
+    def step():
+        ce, _ = mdlm(mb['input_ids'], mb['targets'], mb['weights'], attn, mb.get('position_ids'))
+        (ce / n_sup).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    r = _measure(step, args.iters)
+    r.update(tok_s=int(lengths.sum()) / r['s'], rows=mb['input_ids'].shape[0], T=mb['input_ids'].shape[1],
+             fill=int(lengths.sum()) / mb['input_ids'].numel())
+    return r
+
+
+def pack_report(results, args):
+    print(f"pack: one llada step (forward+backward+AdamW) on {args.B * 4} mixed-length examples (log-uniform "
+          f"{args.T // 16}..{args.T} tokens), {args.n_layer} layers, d={args.d}, V={args.V}, fp32, median of "
+          f"{args.iters}, {torch.get_num_threads()} threads; tokens = real example tokens")
+    ref = results.get('padded')
+    ok = ref is not None and 'error' not in ref
+    header = "| variant | rows x T | real tokens / slots | s/step | tokens/s | peak MiB above baseline | tokens/s vs padded |"
+    for v, r in measured(results, header):
+        speed = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ok else '-'
+        print(f"| {v} | {r['rows']} x {r['T']} | {r['fill']:.2f} | {r['s']:.2f} | {r['tok_s']:,.0f} | {r['mib']:.0f} | {speed} |")
+
+
+def pack_need_mib(variant, args):
+    return 0
 
 
 # -----------------------------------------------------------------------------
@@ -231,9 +295,300 @@ def sample_need_mib(variant, args):
     return 0
 
 
+# -----------------------------------------------------------------------------
+# gpu: every CUDA path of a llada training step, each against its reference in the same run: flex_attention with a
+# BlockMask vs SDPA with the dense mask, bf16 autocast vs fp32, torch.compile vs eager, FSDP2 (a world of 1) vs the
+# unsharded step; then tokens/s and MFU of a ~0.5B model at T=2048. Run it once on a GPU and paste the table.
+# --toy (the default on CPU) runs the same code at a tiny size so the section cannot rot; flex runs forward only
+# there (it has no CPU backward). Each check runs in its own subprocess: its own peak memory, compile caches and
+# process group. A check passes when it returns ok; a check that raises is a FAIL row with the exception.
+
+GPU_CHECKS = ['flex', 'bf16', 'compile', 'fsdp', 'mfu']
+# max |a - b| / max |b|: fp32 kernels that only sum in another order; bf16 (8-bit mantissa) vs fp32
+GPU_TOL = {'fp32': 1e-3, 'bf16': 2e-2}
+
+
+def gpu_setup(args):
+    """-> device, toy, model kwargs, B, T of the correctness checks: a 2-layer GQA Qwen3 (bidirectional). On a GPU
+    T=512, so flex's 128x128 tiles include empty, partial and full ones under the block-causal mask."""
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    toy = device == 'cpu' if args.toy is None else args.toy
+    if toy:
+        kw, B, T = dict(vocab_size=256, n_embd=64, intermediate_size=128), 2, 128  # T: a whole flex tile (test_hf.py)
+    else:
+        kw, B, T = dict(vocab_size=4096, n_embd=256, intermediate_size=512), 4, 512
+    kw.update(n_layer=2, n_head=4, n_kv_head=2, max_seq_len=T, bidirectional=True)
+    return device, toy, kw, B, T
+
+
+def gpu_batch(V, B, T, device, pad=True):
+    """A corrupted llada batch on device: xt, x0, w (B, T), n_sup (supervised tokens, the loss denominator) and
+    key_valid (B, T) bool. The first eighth of each row is a prompt (never corrupted); with pad, the last quarter of
+    row 1 is padding (invalid keys, unsupervised), so the masks have something to mask."""
+    import llada
+    x0 = torch.randint(V - 1, (B, T), generator=torch.Generator().manual_seed(0))  # id V-1 is the mask
+    key_valid = torch.ones(B, T, dtype=torch.bool)
+    if pad:
+        key_valid[1, -T // 4:] = False
+    lm = key_valid.clone()
+    lm[:, :T // 8] = False
+    xt, noise, p = llada.corrupt(x0, lm, mask_id=V - 1, eps=1e-3, seeds=torch.arange(B))
+    w = llada.loss_weights(noise, p)
+    return xt.to(device), x0.to(device), w.to(device), lm.sum().item(), key_valid.to(device)
+
+
+def _llada_step(mdlm, batch, mask, grad=True, autocast=None):
+    """Forward (+ backward) of the llada loss Σ w·CE / n_sup, as llada.py's loop runs it (backward outside autocast).
+    -> (loss, {param name: fp32 grad copy}); the grads stay on the parameters for an optimizer step."""
+    from contextlib import nullcontext
+    xt, x0, w, n_sup, _ = batch
+    mdlm.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(grad), autocast or nullcontext():
+        ce, _ = mdlm(xt, x0, w, attention_mask=mask)
+        loss = ce / n_sup
+    if not grad:
+        return loss.item(), {}
+    loss.backward()
+    full = lambda t: t.full_tensor() if hasattr(t, 'full_tensor') else t  # FSDP2 grads are sharded DTensors
+    return loss.item(), {n: full(p.grad).detach().float().clone()
+                         for n, p in mdlm.named_parameters() if p.grad is not None}
+
+
+def _rel_err(a, b):
+    """max |a - b| / max |b|: one scale-free number per tensor (or float)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _worst(ga, gb):
+    """The worst _rel_err over two {name: tensor} dicts; a name missing from either counts as inf."""
+    if ga.keys() != gb.keys() or not ga:
+        return float('inf')
+    return max(_rel_err(ga[n].cpu(), gb[n].cpu()) for n in gb)
+
+
+def _compile_backend(device, toy):
+    """inductor, except on CPU --toy: there a cold inductor build of the toy decoder takes ~80 s of C++ compiles on a
+    2-core machine, so dynamo + AOTAutograd trace it ('aot_eager': the same graphs, forward and backward, run
+    eagerly); the chunked CE still compiles with inductor (~15 s cold)."""
+    return 'aot_eager' if toy and device == 'cpu' else 'inductor'
+
+
+def gpu_flex(args):
+    """flex_attention + BlockMask vs SDPA + the dense bool mask, same weights, block-causal mask with padding keys:
+    loss and every grad (CUDA), the loss of a no-grad forward on CPU."""
+    import llada
+    device, toy, kw, B, T = gpu_setup(args)
+    torch.manual_seed(0)
+    flex = hf.build_model('scratch', **kw, attn_implementation='flex_attention').to(device)
+    sdpa = hf.build_model('scratch', **kw, attn_implementation='sdpa').to(device)
+    sdpa.load_state_dict(flex.state_dict())
+    batch = gpu_batch(kw['vocab_size'], B, T, device)
+    mask_mod = kernels.block_causal(4, batch[-1])
+    block = hf.attention_mask(flex, mask_mod, B, T, T, device)
+    assert isinstance(block, kernels.BlockMask), f"expected a BlockMask, got {type(block).__name__}"
+    dense = kernels.dense_mask(mask_mod, B, T, T, device)  # (B, 1, T, T) bool
+    grad = device == 'cuda'  # flex has no backward on CPU
+    lf, gf = _llada_step(llada.MDLM(flex), batch, block, grad)
+    ls, gs = _llada_step(llada.MDLM(sdpa), batch, dense, grad)
+    # at init the logits are ~0, so the loss barely sees the mask (dropping it moves the loss by ~1e-6 relative):
+    # compare the hidden states (B, T, C) the LM head consumes too (by ~0.8 relative on the toy model)
+    with torch.no_grad():
+        e_h = _rel_err(hf.last_hidden_state(flex, batch[0], block), hf.last_hidden_state(sdpa, batch[0], dense))
+    e_loss, tol = _rel_err(lf, ls), GPU_TOL['fp32']
+    info = f"loss {lf:.5f} vs sdpa {ls:.5f} (rel err {e_loss:.1e}), hidden states max rel err {e_h:.1e}"
+    if not grad:
+        return {'ok': max(e_loss, e_h) <= tol,
+                'info': f"forward only on CPU (flex has no CPU backward): {info}, tol {tol:.0e}"}
+    e_grad = _worst(gf, gs)
+    return {'ok': max(e_loss, e_h, e_grad) <= tol,
+            'info': f"{info}, grads max rel err {e_grad:.1e}, tol {tol:.0e}"}
+
+
+def _gpu_model(args):
+    """The tiny model with the attention llada.py picks (flex on CUDA, SDPA on CPU), its batch and the block-causal
+    mask in the form that attention takes (BlockMask / dense)."""
+    device, toy, kw, B, T = gpu_setup(args)
+    torch.manual_seed(0)
+    model = hf.build_model('scratch', **kw, attn_implementation=hf.default_attn_implementation(device)).to(device)
+    batch = gpu_batch(kw['vocab_size'], B, T, device)
+    mask = hf.attention_mask(model, kernels.block_causal(4, batch[-1]), B, T, T, device)
+    return device, toy, model, batch, mask, model.config._attn_implementation
+
+
+def gpu_bf16(args):
+    """The same step under bf16 autocast vs fp32: the loss within a bf16 tolerance, every grad finite."""
+    import llada
+    device, _, model, batch, mask, attn = _gpu_model(args)
+    mdlm = llada.MDLM(model)
+    l32, g32 = _llada_step(mdlm, batch, mask)
+    l16, g16 = _llada_step(mdlm, batch, mask, autocast=torch.autocast(device, dtype=torch.bfloat16))
+    e_loss, tol = _rel_err(l16, l32), GPU_TOL['bf16']
+    finite = all(g.isfinite().all() for g in g16.values())
+    return {'ok': e_loss <= tol and finite and g16.keys() == g32.keys(),
+            'info': f"{attn}: loss {l16:.5f} bf16 vs {l32:.5f} fp32 (rel err {e_loss:.1e}, tol {tol:.0e}), "
+                    f"grads {'finite' if finite else 'NOT finite'} (max rel err vs fp32 {_worst(g16, g32):.1e})"}
+
+
+def gpu_compile(args):
+    """get_decoder().compile() + the compiled chunked CE vs eager, same weights: loss and grads (fp32)."""
+    import llada
+    device, toy, model, batch, mask, attn = _gpu_model(args)
+    le, ge = _llada_step(llada.MDLM(model), batch, mask)
+    backend = _compile_backend(device, toy)
+    model.get_decoder().compile(backend=backend)  # in place, as llada.py --compile does
+    mdlm = llada.MDLM(model, compiled_ce=True)
+    sync = torch.cuda.synchronize if device == 'cuda' else lambda: None
+    t0 = time.perf_counter()
+    lc, gc = _llada_step(mdlm, batch, mask)  # the first step compiles forward and backward
+    sync()
+    t1 = time.perf_counter()
+    _llada_step(mdlm, batch, mask)
+    sync()
+    t2 = time.perf_counter()
+    e_loss, e_grad, tol = _rel_err(lc, le), _worst(gc, ge), GPU_TOL['fp32']
+    return {'ok': e_loss <= tol and e_grad <= tol,
+            'info': f"{attn}, decoder backend={backend}: compile {t1 - t0:.1f} s (first step), then "
+                    f"{1e3 * (t2 - t1):.0f} ms/step; loss {lc:.5f} vs eager {le:.5f} (rel err {e_loss:.1e}), "
+                    f"grads max rel err {e_grad:.1e}, tol {tol:.0e}"}
+
+
+def gpu_fsdp(args):
+    """FSDP2 on a world of 1 (nccl on CUDA, gloo on CPU), sharded as llada.py --fsdp shards: one clipped AdamW step
+    vs the same step unsharded. Compares loss, grads and the parameter updates (AdamW's first update is about
+    lr·sign(grad), so the grads are what catch a scaled loss)."""
+    import copy
+    import socket
+    import llada
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    cuda = torch.cuda.is_available()
+    with socket.socket() as s:  # a free port for the in-process rendezvous
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group('nccl' if cuda else 'gloo', rank=0, world_size=1, init_method=f'tcp://127.0.0.1:{port}')
+    try:
+        device, _, model, batch, mask, attn = _gpu_model(args)
+        p0 = {n: p.detach().clone() for n, p in llada.MDLM(model).named_parameters()}
+        full = lambda t: t.full_tensor() if hasattr(t, 'full_tensor') else t
+
+        def step(mdlm):  # llada.py's optimizer step: clip at 1.0, AdamW (fused on CUDA)
+            opt = torch.optim.AdamW(mdlm.parameters(), lr=1e-2, weight_decay=0.1, fused=cuda)
+            loss, grads = _llada_step(mdlm, batch, mask)
+            norm = float(torch.nn.utils.clip_grad_norm_(mdlm.parameters(), 1.0))
+            opt.step()
+            return loss, grads, norm, {n: full(p).detach() - p0[n] for n, p in mdlm.named_parameters()}
+
+        lr_, gr, nr, ur = step(llada.MDLM(copy.deepcopy(model)))  # the unsharded reference
+        for layer in hf.shard_units(model):
+            fully_shard(layer)
+        mdlm = fully_shard(llada.MDLM(model))  # the root: embeddings, final norm, the tied LM head
+        ls, gs, ns, us = step(mdlm)
+        e_loss, e_grad, e_upd, tol = _rel_err(ls, lr_), _worst(gs, gr), _worst(us, ur), GPU_TOL['fp32']
+        return {'ok': max(e_loss, e_grad, e_upd, _rel_err(ns, nr)) <= tol,
+                'info': f"{dist.get_backend()}, {len(hf.shard_units(model))} blocks + root sharded, {attn}: "
+                        f"loss {ls:.5f} vs unsharded {lr_:.5f} (rel err {e_loss:.1e}), "
+                        f"grad norm {ns:.4f} vs {nr:.4f}, "
+                        f"grads max rel err {e_grad:.1e}, AdamW updates max rel err {e_upd:.1e}, tol {tol:.0e}"}
+    finally:
+        dist.destroy_process_group()
+
+
+def gpu_mfu(args):
+    """Tokens/s, MFU and peak memory of llada training steps (forward + backward + AdamW) as llada.py runs them on a
+    GPU: bf16 autocast, TF32, flex + a bidirectional BlockMask (built once: a fixed-length batch), compiled decoder
+    and CE. Full: a 508M Qwen3 (28 x 1024, GQA 16/8, V=151936) at T=2048. MFU = 6·N·tokens/s / peak with N = all
+    parameters, the tied embedding counted once as the LM head. Two approximations, in opposite directions:
+    attention flops (12·L·T·d per token, +23% at T=2048) are ignored, and the head only runs on the corrupted rows
+    (about half: 6·V·d·tokens/2 counted too many, ~15%)."""
+    import llada
+    device, toy, _, _, _ = gpu_setup(args)
+    if toy:
+        kw, B, T = dict(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=128), 4, 64
+    else:
+        kw = dict(vocab_size=151936, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, intermediate_size=3072)
+        B, T = args.mfu_B, 2048
+    if device == 'cuda':  # as llada.py sets them
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    model = hf.build_model('scratch', **kw, max_seq_len=T, bidirectional=True,
+                           attn_implementation=hf.default_attn_implementation(device)).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    backend = _compile_backend(device, toy)
+    model.get_decoder().compile(backend=backend)
+    mdlm = llada.MDLM(model, compiled_ce=True)
+    opt = torch.optim.AdamW(mdlm.parameters(), lr=1e-4, fused=device == 'cuda')
+    xt, x0, w, n_sup, _ = gpu_batch(kw['vocab_size'], B, T, device, pad=False)
+    mask = hf.attention_mask(model, kernels.bidirectional(), B, T, T, device)
+    cuda = device == 'cuda'
+    sync = torch.cuda.synchronize if cuda else lambda: None
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            ce, _ = mdlm(xt, x0, w, attention_mask=mask)
+            loss = ce / n_sup
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    step()  # compiles
+    sync()
+    compile_s = time.perf_counter() - t0
+    step()  # one more warm-up: allocator and autotuning settle
+    iters = args.iters if toy else 10
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        loss = step()
+    sync()
+    tok_s = B * T * iters / (time.perf_counter() - t0)
+    finite = bool(torch.isfinite(loss))
+    attn = model.config._attn_implementation
+    what = (f"Qwen3 {n_params / 1e6:,.1f}M params ({kw['n_layer']} x {kw['n_embd']}, V={kw['vocab_size']}), "
+            f"B={B} x T={T}, bf16, {attn}, compiled ({backend})")
+    if not cuda:
+        return {'ok': finite, 'info': f"{what}: {tok_s:,.0f} tok/s, MFU n/a on CPU, loss {loss.item():.3f}, "
+                                      f"compile {compile_s:.1f} s"}
+    mfu = 6 * n_params * tok_s / (args.peak_tflops * 1e12)
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    return {'ok': finite, 'info': f"{what}: {tok_s:,.0f} tok/s, MFU {100 * mfu:.1f}% of {args.peak_tflops:g} TFLOPS "
+                                  f"(6·N·tok/s, attention flops ignored), peak {peak_gib:.1f} GiB, "
+                                  f"loss {loss.item():.3f}, compile {compile_s:.0f} s"}
+
+
+def gpu_child(check, args):
+    return {'flex': gpu_flex, 'bf16': gpu_bf16, 'compile': gpu_compile, 'fsdp': gpu_fsdp, 'mfu': gpu_mfu}[check](args)
+
+
+def gpu_report(results, args):
+    """One row per check: name | ok/FAIL | numbers. Returns False if any check failed (bench.py then exits 1)."""
+    device, toy, kw, B, T = gpu_setup(args)
+    name = torch.cuda.get_device_name() if device == 'cuda' else 'CPU'
+    print(f"gpu: {name}, torch {torch.__version__}, {'--toy' if toy else 'full'} sizes; correctness checks on a "
+          f"{kw['n_layer']}-layer d={kw['n_embd']} Qwen3, B={B} x T={T}, block-causal mask with padding keys")
+    print("| check | result | numbers |")
+    print("|---|---|---|")
+    ok = True
+    for v, r in results.items():
+        good = r.get('ok', False)
+        ok &= good
+        print(f"| {v} | {'ok' if good else 'FAIL'} | {r.get('info') or r.get('error')} |")
+    return ok
+
+
+def gpu_need_mib(check, args):
+    return 0
+
+
 SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'train': (TRAIN_VARIANTS, train_child, train_report, train_need_mib),
-            'sample': (sample_variants, sample_child, sample_report, sample_need_mib)}
+            'pack': (PACK_VARIANTS, pack_child, pack_report, pack_need_mib),
+            'sample': (sample_variants, sample_child, sample_report, sample_need_mib),
+            'gpu': (GPU_CHECKS, gpu_child, gpu_report, gpu_need_mib)}
 
 # -----------------------------------------------------------------------------
 
@@ -245,7 +600,7 @@ def _mem_available_mib():
     return float('inf')
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument('--only', default='', help=f"comma-separated sections: {','.join(SECTIONS)} (default all)")
     p.add_argument('--N', type=int, default=8192, help='rows (selected tokens)')
@@ -263,14 +618,22 @@ def main():
     p.add_argument('--sample_batch', type=int, default=64, help='sample: prompts per batch')
     p.add_argument('--threshold', default='0.9', help='sample: Fast-dLLM confidence threshold(s), comma-separated')
     p.add_argument('--cache_block', type=int, default=0, help='sample: block length of the cached variants (0 = largest divisor <= gen/2)')
-    p.add_argument('--variants', default='', help='comma-separated subset of variants')
+    p.add_argument('--toy', action=argparse.BooleanOptionalAction, default=None,
+                   help='gpu: tiny sizes (default on CPU; --no-toy forces the full sizes)')
+    p.add_argument('--peak_tflops', type=float, default=989, help='gpu: peak bf16 dense TFLOPS for MFU (H200: 989)')
+    p.add_argument('--mfu_B', type=int, default=8, help='gpu: sequences per batch of the ~0.5B MFU run (T=2048)')
+    p.add_argument('--variants', default='', help='comma-separated subset of variants (gpu: checks)')
     p.add_argument('--child', default='', help=argparse.SUPPRESS)  # section:variant, run in a subprocess
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main():
+    args = parse_args()
 
     if args.child:
         section, variant = args.child.split(':')
         print(json.dumps(SECTIONS[section][1](variant, args)))
-        return
+        return 0
     child_argv, skip = [], False  # our own argv without --only / --variants (either as --k=v or as --k v)
     for a in sys.argv[1:]:
         if skip or a.startswith(('--only', '--variants')):
@@ -280,6 +643,7 @@ def main():
     sections = args.only.split(',') if args.only else list(SECTIONS)
     for s in sections:
         assert s in SECTIONS, f"bench.py: unknown section {s!r} (have {', '.join(SECTIONS)})"
+    failed = False
     for s in sections:
         variants, _, report, need_mib = SECTIONS[s]
         variants = variants(args) if callable(variants) else variants
@@ -297,8 +661,9 @@ def main():
             else:
                 results[v] = json.loads(r.stdout.strip().splitlines()[-1])
             print(f"  {s}/{v}: {results[v]}", file=sys.stderr, flush=True)
-        report(results, args)
+        failed |= report(results, args) is False  # the gpu report says whether every check passed
+    return 1 if failed else 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())

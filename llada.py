@@ -29,49 +29,12 @@ import time
 import torch
 import torch.nn as nn
 
+import hf
 import kernels
+from data.loader import collate, pack as pack_rows
 
 # -----------------------------------------------------------------------------
 # model
-
-def build_model(init_from, *, vocab_size=0, model_type='qwen3', n_layer=4, n_head=4, n_kv_head=4, n_embd=128,
-                intermediate_size=0, max_seq_len=256, rope_theta=10000.0, trust_remote_code=False, bidirectional=True,
-                attn_implementation='sdpa', hf_config=None):
-    """A Hugging Face model: a tiny Qwen3/Llama built from the arguments ('scratch'), a rebuilt config (hf_config, a
-    dict from a checkpoint), or a local checkpoint directory. bidirectional=True removes the causal mask (MDLM)."""
-    import transformers
-    transformers.logging.disable_progress_bar()
-    if hf_config is not None:  # rebuild from a checkpoint's stored config (weights are loaded by the caller)
-        config = transformers.AutoConfig.for_model(**hf_config)
-        config._attn_implementation = attn_implementation
-        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    elif init_from == 'scratch':
-        assert vocab_size > 0, 'scratch models need a vocab_size (from meta.json)'
-        assert n_embd % n_head == 0, f'n_embd={n_embd} must be divisible by n_head={n_head}'
-        assert n_head % n_kv_head == 0, f'n_head={n_head} must be divisible by n_kv_head={n_kv_head}'
-        common = dict(vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=intermediate_size or 3 * n_embd,
-                      num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
-                      max_position_embeddings=max_seq_len, rope_theta=rope_theta, tie_word_embeddings=True,
-                      attn_implementation=attn_implementation)
-        if model_type == 'qwen3':
-            config = transformers.Qwen3Config(head_dim=n_embd // n_head, **common)
-        elif model_type == 'llama':
-            config = transformers.LlamaConfig(head_dim=n_embd // n_head, **common)
-        else:
-            raise ValueError(f"model_type must be 'qwen3' or 'llama', got {model_type!r}")
-        config.is_causal = not bidirectional  # saved in config.json, so the HF export stays bidirectional
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    else:
-        if not os.path.isfile(os.path.join(init_from, 'config.json')):
-            raise FileNotFoundError(f'init_from={init_from!r}: no config.json there (expected a local HF checkpoint dir)')
-        config = transformers.AutoConfig.from_pretrained(init_from, trust_remote_code=trust_remote_code)
-        if bidirectional:
-            config.is_causal = False  # an AR checkpoint (e.g. Qwen3) becomes a bidirectional denoiser
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            init_from, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32,
-            attn_implementation=attn_implementation)
-    return model
-
 
 def check_mask_id(mask_id, vocab_size, pad_id=-1, eos_id=-1):
     """mask_id must be a real embedding row and must not collide with pad/eos (they are trained as content)."""
@@ -79,29 +42,6 @@ def check_mask_id(mask_id, vocab_size, pad_id=-1, eos_id=-1):
         raise ValueError(f'mask_id={mask_id} is outside the vocabulary [0, {vocab_size})')
     if mask_id in (pad_id, eos_id):
         raise ValueError(f'mask_id={mask_id} equals the {"pad" if mask_id == pad_id else "eos"} id; pick a dedicated mask token')
-
-
-def last_hidden_state(model, input_ids, attention_mask=None, position_ids=None):
-    """The final (post-norm) hidden states that the LM head consumes, (B, T, C). Native transformers models expose
-    their base model through get_decoder(); a remote-code model without one (LLaDA-8B's modeling_llada.py) falls back
-    to output_hidden_states, whose last entry is post-norm by HF convention, at the cost of its full logits."""
-    decoder = model.get_decoder()
-    if decoder is not model:
-        return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    assert attention_mask is None and position_ids is None, \
-        f'{type(model).__name__}: custom masks/positions need a model whose get_decoder() returns its base model'
-    return model(input_ids=input_ids, output_hidden_states=True).hidden_states[-1]
-
-
-def shard_units(model):
-    """The transformer blocks that FSDP2 shards one by one: the classes named in _no_split_modules (every HF model,
-    remote code included, declares them), else get_decoder().layers."""
-    names = set(getattr(model, '_no_split_modules', None) or [])
-    units = [m for m in model.modules() if type(m).__name__ in names]
-    units = units or list(getattr(model.get_decoder(), 'layers', []))
-    if not units:
-        raise ValueError(f'{type(model).__name__}: cannot find its transformer blocks to shard (set _no_split_modules)')
-    return units
 
 
 class MDLM(nn.Module):
@@ -114,7 +54,7 @@ class MDLM(nn.Module):
         self.compiled_ce = compiled_ce
 
     def forward(self, input_ids, targets, weights, attention_mask=None, position_ids=None):
-        h = last_hidden_state(self.model, input_ids, attention_mask, position_ids)  # (B, T, C), post final norm
+        h = hf.last_hidden_state(self.model, input_ids, attention_mask, position_ids)  # (B, T, C), post final norm
         sel = weights > 0  # (B, T) the corrupted, supervised positions
         W = self.model.get_output_embeddings().weight  # (V, C)
         # only the selected rows reach the LM head, chunk by chunk: no (B, T, V) logits in forward or backward
@@ -153,6 +93,58 @@ def loss_weights(noise, p):
     """Per-position weight of the MDLM loss: 1/p on corrupted supervised tokens, 0 elsewhere (LLaDA Eq. 3). (B, T)"""
     return noise.float() / p.clamp_min(1e-8)
 
+
+def fill_length(seed, step, hi):
+    """The canvas every row of a step is EOS-filled to: uniform in [0, hi] from (seed, step), the same on every rank
+    and micro-step (make_batch never fills a row below the batch's longest). Drawing it per step, not fixing it as LLaDA SFT does, trains both
+    tight canvases (a sampler's gen_length equal to the answer) and long ones (a gen_length well past the answer)."""
+    if hi <= 0:
+        return 0
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step + 2**40) & (2**63 - 1))
+    return int(torch.randint(hi + 1, (1,), generator=g))
+
+
+def make_batch(examples, seeds, *, pad_id, eos_id, mask_id, eps, max_seq_len, fill_to=0, block_size=1,
+               pad_seq_len_divisible=1, supervise_padding=True, pack=False):
+    """[(ids, loss_mask)] examples -> one micro-batch, a dict of (R, T) tensors:
+      input_ids (x_t, corrupted), targets (x_0), weights (1/p on corrupted supervised tokens, else 0), loss_mask
+      (supervised), noise (corrupted), and with pack=True doc_ids and position_ids (restarting per document).
+    Padded (pack=False): one example per row, collated as data.loader.collate (EOS block fill up to fill_to).
+    Packed: several examples per row of max_seq_len, no fill, padding unsupervised. Each example is corrupted as
+    its own row (seeds (B,), one per example) BEFORE packing, so packing changes the layout, never the noise."""
+    if not pack:
+        if fill_to:  # every row is EOS-filled to the same canvas, at least the batch's longest row
+            fill_to = max(fill_to, min(max(len(ids) for ids, _ in examples), max_seq_len or fill_to))
+        b = collate(examples, pad_id=pad_id, eos_id=eos_id, block_size=block_size, max_seq_len=max_seq_len,
+                    pad_seq_len_divisible=pad_seq_len_divisible, supervise_padding=supervise_padding, fill_to=fill_to)
+        x0, lm = b['input_ids'], b['loss_mask']
+        xt, noise, p = corrupt(x0, lm, mask_id=mask_id, eps=eps, seeds=seeds)
+        return dict(input_ids=xt, targets=x0, weights=loss_weights(noise, p), loss_mask=lm, noise=noise)
+    b = collate(examples, pad_id=pad_id, eos_id=eos_id, max_seq_len=max_seq_len)  # no fill, padding unsupervised
+    x0, lm = b['input_ids'], b['loss_mask']
+    xt, noise, p = corrupt(x0, lm, mask_id=mask_id, eps=eps, seeds=seeds)
+    n = b['input_lengths'].clamp(max=x0.shape[1]).tolist()
+    # pack() lays rows out from the lengths alone, so packing aligned fields one by one gives aligned rows
+    field = lambda ids, vals: pack_rows([(ids[i, :k], vals[i, :k]) for i, k in enumerate(n)], seq_len=max_seq_len,
+                                        pad_id=pad_id)
+    p0, pt, pw = field(x0, lm), field(xt, noise.float()), field(x0, loss_weights(noise, p))
+    return dict(input_ids=pt['input_ids'], targets=p0['input_ids'], weights=pw['loss_mask'],
+                loss_mask=p0['loss_mask'], noise=pt['loss_mask'].bool(), doc_ids=p0['doc_ids'],
+                position_ids=p0['position_ids'])
+
+
+def attention_for(model, batch, device):
+    """The attention mask of a micro-batch for the model's backend (hf.attention_mask): per-document bidirectional
+    for packed rows; for padded rows full bidirectional attention (LLaDA SFT attends to its EOS fill), i.e. no mask
+    at all on SDPA, an explicit BlockMask on flex (transformers' own flex mask would be causal)."""
+    B, T = batch['input_ids'].shape
+    if 'doc_ids' in batch:
+        doc = batch['doc_ids'].to(device)
+        return hf.attention_mask(model, kernels.document(kernels.bidirectional(), doc, doc), B, T, T, device)
+    if hf.uses_flex(model):
+        return hf.attention_mask(model, kernels.bidirectional(), B, T, T, device)
+    return None
+
 # -----------------------------------------------------------------------------
 # helpers shared by the training loop (kept here so tests can call them)
 
@@ -164,6 +156,21 @@ def get_lr(it, *, learning_rate, min_lr, warmup_iters, lr_decay_iters):
         return min_lr
     ratio = (it - warmup_iters) / max(lr_decay_iters - warmup_iters, 1)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+def git_commit():
+    """The source's git commit (+ '-dirty' with uncommitted changes), or '' outside a git checkout."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        run = lambda *a: subprocess.run(['git', *a], cwd=here, capture_output=True, text=True, timeout=10)
+        head = run('rev-parse', '--short=12', 'HEAD')
+        if head.returncode:
+            return ''
+        dirty = run('status', '--porcelain', '--untracked-files=no').stdout.strip()
+        return head.stdout.strip() + ('-dirty' if dirty else '')
+    except (OSError, subprocess.SubprocessError):
+        return ''
 
 
 def save_atomic(obj, path):
@@ -196,6 +203,8 @@ if __name__ == '__main__':
     pad_block_size = 1  # >1: EOS-fill each row to a multiple of this (supervised, unattended)
     pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
     supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
+    eos_fill = 32  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length)
+    pack = False  # pack several examples per row of max_seq_len (per-document attention) instead of padding
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
     n_layer = 4  # transformer layers (scratch)
@@ -235,7 +244,7 @@ if __name__ == '__main__':
     import numpy as np
     import torch.distributed as dist
     from contextlib import nullcontext
-    from data.loader import TokenDataset, collate, batch_indices, global_rows
+    from data.loader import TokenDataset, TextWindows, batch_indices, global_rows
     from data.prepare import ensure_synthetic
     from data.tokenizer import load_tokenizer
     import sample as sampler_lib
@@ -286,7 +295,7 @@ if __name__ == '__main__':
     if device_type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(seed)  # model init; data and corruption use their own generators
+    torch.manual_seed(seed)  # model init only: the data order (and any corruption) use their own generators
 
     # -------------------------------------------------------------------------
     # data
@@ -299,18 +308,30 @@ if __name__ == '__main__':
     meta = train_ds.meta
     tokenizer = load_tokenizer(meta)
     pad_id, eos_id = meta['pad_id'], meta['eos_id']
+    text = meta.get('kind') == 'text'  # raw text: windows of max_seq_len tokens, every token supervised
+    if text:
+        try:
+            train_ds, val_ds = TextWindows(train_ds, max_seq_len), TextWindows(val_ds, max_seq_len)
+        except ValueError as e:
+            print(f'error: {data_dir}: {e}', file=sys.stderr)
+            finish(1)
 
-    def get_batch(ds, idx):
-        b = collate(ds.examples(idx.tolist()), pad_id=pad_id, eos_id=eos_id, block_size=pad_block_size,
-                    pad_seq_len_divisible=pad_seq_len_divisible, max_seq_len=max_seq_len,
-                    supervise_padding=supervise_padding)
-        return b['input_ids'], b['loss_mask']
+    def get_batch(ds, idx, seeds, fill_to):
+        """The micro-batch dict of examples idx (B,): collated (or packed), corrupted with per-row seeds (B,)."""
+        return make_batch(ds.examples(idx.tolist()), seeds, pad_id=pad_id, eos_id=eos_id, mask_id=mask_id, eps=eps,
+                          max_seq_len=max_seq_len, fill_to=0 if text else fill_to, block_size=pad_block_size,
+                          pad_seq_len_divisible=pad_seq_len_divisible, supervise_padding=supervise_padding,
+                          pack=pack)
+
+    def pos_of(mb):
+        return mb['position_ids'].to(device) if 'position_ids' in mb else None
 
     # -------------------------------------------------------------------------
     # model
     os.makedirs(out_dir, exist_ok=True)
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
     start_step, checkpoint = 0, None
+    attn_implementation = hf.default_attn_implementation(device)  # flex_attention on CUDA, sdpa on CPU
     if init_from == 'resume':
         if not os.path.exists(ckpt_path):
             print(f'error: init_from=resume but {ckpt_path} does not exist', file=sys.stderr)
@@ -318,17 +339,19 @@ if __name__ == '__main__':
         checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
         hf_config = json.loads(checkpoint['model_args'])
         if 'auto_map' in hf_config:  # remote-code model: its code travels with the HF export
-            model = build_model(os.path.join(out_dir, 'hf'), trust_remote_code=trust_remote_code)
+            model = hf.build_model(os.path.join(out_dir, 'hf'), trust_remote_code=trust_remote_code,
+                                   bidirectional=True, attn_implementation=attn_implementation)
         else:
-            model = build_model('scratch', hf_config=hf_config)
+            model = hf.build_model('scratch', hf_config=hf_config, attn_implementation=attn_implementation)
         model.load_state_dict(checkpoint['model'])
         start_step = checkpoint['step']
     else:
         try:
-            model = build_model(init_from, vocab_size=meta['vocab_size'], model_type=model_type, n_layer=n_layer,
-                                n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
-                                intermediate_size=intermediate_size, max_seq_len=max(max_seq_len, 256),
-                                rope_theta=rope_theta, trust_remote_code=trust_remote_code)
+            model = hf.build_model(init_from, vocab_size=meta['vocab_size'], model_type=model_type, n_layer=n_layer,
+                                   n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                                   intermediate_size=intermediate_size, max_seq_len=max(max_seq_len, 256),
+                                   rope_theta=rope_theta, trust_remote_code=trust_remote_code, bidirectional=True,
+                                   attn_implementation=attn_implementation)
         except (OSError, ValueError) as e:  # a missing/incomplete checkpoint dir, a bad model_type
             print(f'error: {str(e).splitlines()[0]}', file=sys.stderr)
             finish(1)
@@ -352,7 +375,7 @@ if __name__ == '__main__':
         raw_model.get_decoder().compile()  # in place: state_dict keys keep their names (no _orig_mod.)
     if ddp and fsdp:
         from torch.distributed.fsdp import fully_shard
-        for layer in shard_units(raw_model):
+        for layer in hf.shard_units(raw_model):
             fully_shard(layer)
         fully_shard(mdlm)  # the root: embeddings, final norm and the (tied) LM head
         train_model = mdlm
@@ -400,7 +423,9 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # eval
-    n_acc = min(eval_samples, len(val_ds))
+    n_acc = 0 if text else min(eval_samples, len(val_ds))  # raw text has no prompts to answer
+    if text and eval_samples > 0:
+        print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
     acc_rows = []  # (prompt ids incl. the assistant header, reference answer text) of the first n_acc val examples
     for i in range(n_acc):
         ids, lm = val_ds.example(i)
@@ -439,21 +464,24 @@ if __name__ == '__main__':
         tot = torch.zeros(2, device=device)  # Σ weighted CE, Σ supervised tokens
         for i in range(eval_iters):
             rows = torch.arange(batch_size) + (i * ddp_world_size + ddp_rank) * batch_size
-            idx = rows % len(val_ds)
-            x0, lm = get_batch(val_ds, idx)
-            xt, noise, p = corrupt(x0, lm, mask_id=mask_id, eps=eps, seeds=corruption_seeds(seed, 0, rows, 1))
+            mb = get_batch(val_ds, rows % len(val_ds), corruption_seeds(seed, 0, rows, 1), eos_fill)
             with autocast:
-                ce, _ = train_model(xt.to(device), x0.to(device), loss_weights(noise, p).to(device))
-            tot += torch.stack([ce.float(), lm.sum().to(device)])
+                ce, _ = train_model(mb['input_ids'].to(device), mb['targets'].to(device), mb['weights'].to(device),
+                                    attention_for(raw_model, mb, device), pos_of(mb))
+            tot += torch.stack([ce.float(), mb['loss_mask'].sum().to(device)])
         all_sum(tot)
         out = {'val_loss': (tot[0] / tot[1].clamp_min(1)).item()}
-        if eval_samples > 0:
+        if n_acc > 0:
             out['accuracy'] = accuracy()
         mdlm.train()
         return out
 
     # -------------------------------------------------------------------------
     # training loop
+    lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
+    # the resolved values ('auto', -1 and the like replaced by what this run uses), logged and saved with ckpt.pt
+    config.update(device=device, dtype=dtype, mask_id=mask_id, lr_decay_iters=lr_decay_iters, data_dir=data_dir,
+                  attn_implementation=attn_implementation, world_size=ddp_world_size, git_commit=git_commit())
     if master_process:
         log_file = open(os.path.join(out_dir, 'log.txt'), 'a')
         log_file.write(f'# llada.py torch {torch.__version__} device {device} world {ddp_world_size}\n'
@@ -461,7 +489,6 @@ if __name__ == '__main__':
     if wandb_log and master_process:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
-    lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
     metrics = {}
     step = start_step
     t0 = time.time()
@@ -471,20 +498,17 @@ if __name__ == '__main__':
         for group in optimizer.param_groups:
             group['lr'] = lr
         # collate + corrupt every micro-batch first: the loss denominator is the GLOBAL supervised count
-        micro = []
+        micro, fill_to = [], fill_length(seed, step, eos_fill)
         for m in range(grad_accum):
             idx = batch_indices(len(train_ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
                                 world_size=ddp_world_size, grad_accum=grad_accum)
-            x0, lm = get_batch(train_ds, idx)
             rows = global_rows(batch_size, micro_step=m, rank=ddp_rank, world_size=ddp_world_size)
-            xt, noise, p = corrupt(x0, lm, mask_id=mask_id, eps=eps,
-                                   seeds=corruption_seeds(seed, step, rows, global_batch))
-            micro.append((xt, x0, loss_weights(noise, p), lm, noise))
-        counts = torch.tensor([sum(mb[3].sum() for mb in micro), sum(mb[4].sum() for mb in micro),
-                               sum(mb[0].numel() for mb in micro)], dtype=torch.float64, device=device)
+            micro.append(get_batch(train_ds, idx, corruption_seeds(seed, step, rows, global_batch), fill_to))
+        counts = torch.tensor([sum(mb['loss_mask'].sum() for mb in micro), sum(mb['noise'].sum() for mb in micro),
+                               sum(mb['input_ids'].numel() for mb in micro)], dtype=torch.float64, device=device)
         n_sup, n_noise, n_tok = all_sum(counts).tolist()
         loss_sum = torch.zeros(2, device=device)  # Σ loss, Σ correct (argmax == target on masked positions)
-        for m, (xt, x0, w, _, _) in enumerate(micro):
+        for m, mb in enumerate(micro):
             last = m == grad_accum - 1
             if ddp and fsdp:
                 train_model.set_requires_gradient_sync(last)
@@ -492,7 +516,8 @@ if __name__ == '__main__':
                 # set before forward: DDP reads it there (setting it late silently breaks accumulation)
                 train_model.require_backward_grad_sync = last
             with autocast:
-                ce, n_correct = train_model(xt.to(device), x0.to(device), w.to(device))
+                ce, n_correct = train_model(mb['input_ids'].to(device), mb['targets'].to(device),
+                                            mb['weights'].to(device), attention_for(raw_model, mb, device), pos_of(mb))
                 loss = ce / max(n_sup, 1.0)  # LLaDA SFT: divide by the global number of supervised tokens
             # DDP/FSDP average gradients over ranks; the loss is already a global mean, so undo the 1/world
             (loss * ddp_world_size).backward()
@@ -510,11 +535,11 @@ if __name__ == '__main__':
         dt = time.time() - t0
         t0 = time.time()
         metrics = {'step': step, 'loss': step_loss, 'grad_norm': float(grad_norm), 'lr': lr,
-                   'mask_acc': loss_sum[1].item() / max(n_noise, 1.0), 'supervised_tokens': int(n_sup),
+                   'token_acc': loss_sum[1].item() / max(n_noise, 1.0), 'supervised_tokens': int(n_sup),
                    'tok_per_s': n_tok / dt}
         if step % log_interval == 0 or step == start_step + 1:
             line = (f"step {step} | loss {step_loss:.6f} | grad_norm {metrics['grad_norm']:.4f} | lr {lr:.3e} | "
-                    f"mask_acc {metrics['mask_acc']:.3f} | sup {int(n_sup)} | tok/s {n_tok / dt:,.0f} | dt {dt*1000:.0f}ms")
+                    f"token_acc {metrics['token_acc']:.3f} | sup {int(n_sup)} | tok/s {n_tok / dt:,.0f} | dt {dt*1000:.0f}ms")
             print0(line)
             if master_process:
                 log_file.write(line + '\n'); log_file.flush()

@@ -23,7 +23,6 @@ stats['row_nfe'] += the rows it carried (llada drops finished rows from its batc
 block or the run early (threshold, early stop, editing), and one per block for infill.
 """
 import argparse
-import inspect
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ import time
 
 import torch
 
+import hf
 import kernels
 
 # -----------------------------------------------------------------------------
@@ -142,11 +142,6 @@ def _count(stats, rows):
 # -----------------------------------------------------------------------------
 # model calls
 
-def _accepts(model, name):
-    params = inspect.signature(model.forward).parameters
-    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
-
-
 def query_mask(key_valid, Q, causal=False):
     """(B, 1, Q, K) bool attention mask (True = attend) built with kernels: the Q queries are the LAST Q of the K
     keys (a cache holds the other K - Q), pad keys (key_valid False) are masked. Query q sits at key slot
@@ -156,30 +151,11 @@ def query_mask(key_valid, Q, causal=False):
     return kernels.dense_mask(lambda b, h, q, kv: mm(b, h, q + (K - Q), kv), B, Q, K, key_valid.device)
 
 
-def model_forward(model, x, *, mask=None, pos=None, keep=0, cache=None):
-    """Logits (B, keep or N, V) of x (B, N) with an optional 4-D bool mask, position ids and KV cache (a
-    transformers DynamicCache that this call appends x's keys/values to; the forward kwarg is `cache` in
-    transformers 5.x, `past_key_values` before)."""
-    kw = {}
-    if mask is not None:
-        kw['attention_mask'] = mask
-    if pos is not None and _accepts(model, 'position_ids'):
-        kw['position_ids'] = pos
-    if keep and _accepts(model, 'logits_to_keep'):
-        kw['logits_to_keep'] = keep
-    if cache is not None:  # a wrapper with only **kwargs is assumed to wrap a transformers 5.x model
-        explicit = inspect.signature(model.forward).parameters
-        name = 'past_key_values' if 'past_key_values' in explicit and 'cache' not in explicit else 'cache'
-        kw.update(use_cache=True, **{name: cache})
-    logits = model(input_ids=x, **kw).logits
-    return logits[:, -keep:] if keep else logits
-
-
 def forward_logits(model, x, key_valid, *, causal, keep=0):
     """Logits of the last `keep` positions (all if 0) of a full forward over x (B, T); key_valid (B, T) bool marks
     real tokens (left padding is masked out of the keys, positions count real tokens only)."""
     pad = not bool(key_valid.all())
-    return model_forward(model, x, mask=query_mask(key_valid, x.shape[1], causal) if pad else None,
+    return hf.forward(model, x, mask=query_mask(key_valid, x.shape[1], causal) if pad else None,
                          pos=(key_valid.long().cumsum(1) - 1).clamp_min(0), keep=keep)
 
 
@@ -194,13 +170,6 @@ def make_canvas(x, prompt_mask, gen_length, mask_id):
     attn = None if bool(prompt_mask.all()) else query_mask(key_valid, x.shape[1])
     return x, key_valid, pos, attn
 
-
-def _without_span(cache, lo, hi):
-    """A DynamicCache holding the keys/values of positions [0, lo) and [hi, T) of `cache` (the DualCache: the
-    current block's slots are appended by each step's forward, after the suffix; attention ignores key order)."""
-    from transformers import DynamicCache
-    cut = lambda t: torch.cat([t[..., :lo, :], t[..., hi:, :]], dim=-2)  # (B, H, T - (hi - lo), hd)
-    return DynamicCache(ddp_cache_data=[(cut(layer.keys), cut(layer.values)) for layer in cache.layers])
 
 # -----------------------------------------------------------------------------
 # samplers
@@ -253,8 +222,6 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
     out, rows = x, torch.arange(B, device=x.device)  # the full canvas; the rows of it that x (still) holds
     eos_stop = early_stop and eos_id >= 0
     kv = qmask = None
-    if cache != 'none':
-        from transformers import DynamicCache
     for nb in range(n_blocks):
         lo, hi = P + nb * bl, P + (nb + 1) * bl
         schedule = num_transfer_tokens((x[:, lo:hi] == mask_id).sum(1), steps_per_block)  # (B, steps_per_block)
@@ -262,21 +229,21 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
             schedule = schedule.clamp_min(1)
         for i in range(steps_per_block):
             if cache == 'none' or i == 0:  # full forward (with a cache: also the block's KV refresh)
-                kv = None if cache == 'none' else DynamicCache()
-                logits = model_forward(model, x, mask=attn, pos=pos, keep=T - lo, cache=kv)[:, :bl]  # (B, bl, V)
+                kv = None if cache == 'none' else hf.new_cache()
+                logits = hf.forward(model, x, mask=attn, pos=pos, keep=T - lo, cache=kv)[:, :bl]  # (B, bl, V)
                 if cache == 'prefix':
-                    kv.crop(lo - T)  # keep positions < lo
+                    hf.crop(kv, lo - T)  # keep positions < lo
                     qmask = query_mask(key_valid, T - lo)  # (B, 1, T - lo, T): keys in canvas order
                 elif cache == 'dual':
-                    kv = _without_span(kv, lo, hi)  # positions [0, lo) + [hi, T)
+                    kv = hf.drop_span(kv, lo, hi)  # positions [0, lo) + [hi, T)
                     order = torch.cat([key_valid[:, :lo], key_valid[:, hi:], key_valid[:, lo:hi]], 1)  # cache order
                     qmask = query_mask(order, bl)  # (B, 1, bl, T)
             elif cache == 'prefix':  # forward x[lo:] against the stale prefix KV, then drop what it appended
-                logits = model_forward(model, x[:, lo:], mask=qmask, pos=pos[:, lo:], keep=T - lo, cache=kv)[:, :bl]
-                kv.crop(lo - T)
+                logits = hf.forward(model, x[:, lo:], mask=qmask, pos=pos[:, lo:], keep=T - lo, cache=kv)[:, :bl]
+                hf.crop(kv, lo - T)
             else:  # dual: forward the block only against the stale prefix + suffix KV
-                logits = model_forward(model, x[:, lo:hi], mask=qmask, pos=pos[:, lo:hi], cache=kv)  # (B, bl, V)
-                kv.crop(-bl)
+                logits = hf.forward(model, x[:, lo:hi], mask=qmask, pos=pos[:, lo:hi], cache=kv)  # (B, bl, V)
+                hf.crop(kv, -bl)
             _count(stats, x.shape[0])
             x0, conf = propose(logits, temperature, remasking, generator, mask_id)  # (B, bl) each
             commit = select(conf, x[:, lo:hi] == mask_id, schedule[:, i], threshold)  # (B, bl)
@@ -300,7 +267,7 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
                 x, key_valid, pos, schedule, rows, attn, qmask = take(keep, x, key_valid, pos, schedule, rows, attn,
                                                                       qmask)
                 if kv is not None:
-                    kv.batch_select_indices(keep)
+                    hf.keep_rows(kv, keep)
                 full = full[~fin]
             if threshold is not None and full.all():
                 break  # every remaining row's block is full
@@ -346,7 +313,7 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
         active = torch.full((x.shape[0],), editing, dtype=torch.bool, device=x.device)  # (B,) the row may still edit
         post = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)  # (B,) post-edit steps taken
         for i in range(S + (max_post_steps if editing else 0)):
-            logits = model_forward(model, x[:, :hi], mask=None if attn is None else attn[..., :hi, :hi],
+            logits = hf.forward(model, x[:, :hi], mask=None if attn is None else attn[..., :hi, :hi],
                                    pos=pos[:, :hi], keep=bl)  # (B, bl, V)
             _count(stats, x.shape[0])
             x0, p = propose(logits, temperature, 'low_confidence', generator, mask_id)  # (B, bl) each
@@ -413,7 +380,7 @@ def infill_llada(model, x, *, prompt_mask=None, steps=128, block_length=0, tempe
             cand = (x == mask_id) & in_block  # (B, T)
             if threshold is not None and i > 0 and not bool(cand.any()):
                 break
-            logits = model_forward(model, x, mask=attn, pos=pos)  # (B, T, V)
+            logits = hf.forward(model, x, mask=attn, pos=pos)  # (B, T, V)
             _count(stats, x.shape[0])
             x0, conf = propose(logits, temperature, remasking, generator, mask_id)  # (B, T)
             commit = select(conf, cand, schedule[:, i], threshold)
@@ -431,16 +398,15 @@ def sample_ar(model, x, *, prompt_mask=None, gen_length=128, steps=0, block_leng
     Stops once every row has produced eos_id (one sync per token) unless stop_at_eos=False (always gen_length
     forwards: FSDP ranks must run the same number). steps/block_length/mask_id are unused (one token per forward,
     NFE = tokens)."""
-    from transformers import DynamicCache
     B, P = x.shape
     valid = torch.ones_like(x, dtype=torch.bool) if prompt_mask is None else prompt_mask.to(x.device)
     done = torch.zeros(B, dtype=torch.bool, device=x.device)
-    cache = DynamicCache() if use_cache else None
+    cache = hf.new_cache() if use_cache else None
     pos = (valid.long().cumsum(1) - 1).clamp_min(0)  # (B, P) positions count real tokens only
     inp, inp_pos = x, pos
     for _ in range(gen_length):
         if use_cache:  # 2-D padding mask over everything cached so far; the model adds causality
-            logits = model_forward(model, inp, mask=valid.long(), pos=inp_pos, keep=1, cache=cache)[:, -1]  # (B, V)
+            logits = hf.forward(model, inp, mask=valid.long(), pos=inp_pos, keep=1, cache=cache)[:, -1]  # (B, V)
         else:
             logits = forward_logits(model, x, valid, causal=True, keep=1)[:, -1]
         _count(stats, x.shape[0])
@@ -509,11 +475,8 @@ def load_checkpoint(path, device='cpu', dtype=torch.float32, trust_remote_code=F
     """-> (model in eval mode, tokenizer, meta dict). meta.json (written by the family scripts) carries the special
     ids and the sampler defaults; a plain HF dir falls back to its tokenizer."""
     d = resolve_checkpoint(path)  # fail fast, before the slow imports
-    import transformers
     from data.tokenizer import load_tokenizer
-    transformers.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype, trust_remote_code=trust_remote_code)
-    model.to(device).eval()
+    model = hf.load_pretrained(d, device, dtype, trust_remote_code)
     meta_path = os.path.join(d, 'meta.json')
     if os.path.isfile(meta_path):
         with open(meta_path) as f:

@@ -80,15 +80,18 @@ class TokenDataset:
         return np.array(ids[start:end], dtype=np.int64), np.array(mask[start:end])
 
 
-def collate(examples, *, pad_id, eos_id, block_size=1, pad_seq_len_divisible=1, max_seq_len=0, supervise_padding=False):
+def collate(examples, *, pad_id, eos_id, block_size=1, pad_seq_len_divisible=1, max_seq_len=0, supervise_padding=False,
+            fill_to=0):
     """[(ids, mask)] -> dict of input_ids (B, T) long, loss_mask (B, T) float32, attention_mask (B, T) long,
-    input_lengths (B,) long. Layout: see the module docstring (NeMo DLLMCollator semantics)."""
+    input_lengths (B,) long. Layout: see the module docstring (NeMo DLLMCollator semantics).
+    fill_to > 0 extends every row's block fill to at least fill_to tokens (LLaDA SFT's EOS fill to a fixed canvas:
+    the model learns to end an answer inside a canvas longer than the answer)."""
     assert examples, "collate needs at least one example"
     bs = block_size if block_size and block_size > 1 else 1
     fill_id = eos_id if eos_id is not None and eos_id >= 0 else pad_id  # NeMo: eos, falling back to pad
     lengths = [len(ids) for ids, _ in examples]
     content = [min(n, max_seq_len) if max_seq_len else n for n in lengths]
-    fill_end = [math.ceil(c / bs) * bs for c in content]
+    fill_end = [max(math.ceil(c / bs) * bs, fill_to) for c in content]
     T = max(fill_end)
     if pad_seq_len_divisible and pad_seq_len_divisible > 1:
         m = math.lcm(bs, pad_seq_len_divisible)
@@ -109,6 +112,25 @@ def collate(examples, *, pad_id, eos_id, block_size=1, pad_seq_len_divisible=1, 
         loss_mask[b, c:f] = 1.0  # block fill is always supervised, never attended
     return dict(input_ids=input_ids, loss_mask=loss_mask, attention_mask=attention_mask,
                 input_lengths=torch.tensor(lengths, dtype=torch.long))
+
+
+class TextWindows:
+    """Raw text (meta kind 'text', one token stream per split) as examples: non-overlapping windows of seq_len
+    tokens, every token supervised (pretraining). len(w) windows; w.examples(idx) -> [(ids, mask)] like TokenDataset."""
+
+    def __init__(self, ds, seq_len):
+        self.ds, self.seq_len, self.meta = ds, seq_len, ds.meta
+        if ds.n_tokens < seq_len:
+            raise ValueError(f"raw text split of {ds.n_tokens} tokens is shorter than one row of max_seq_len={seq_len}")
+
+    def __len__(self):
+        return self.ds.n_tokens // self.seq_len
+
+    def examples(self, indices):
+        return [self.ds.window(i * self.seq_len, self.seq_len) for i in indices]
+
+    def example(self, i):
+        return self.examples([i])[0]
 
 
 def pack(examples, *, seq_len, pad_id):

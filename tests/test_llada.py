@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import hf
 import llada
 
 V, MASK, PAD, EOS = 40, 37, 38, 39
@@ -13,7 +14,7 @@ V, MASK, PAD, EOS = 40, 37, 38, 39
 
 def tiny_model(bidirectional=True, seed=0):
     torch.manual_seed(seed)
-    return llada.build_model('scratch', vocab_size=V, n_layer=2, n_head=2, n_kv_head=2, n_embd=32,
+    return hf.build_model('scratch', vocab_size=V, n_layer=2, n_head=2, n_kv_head=2, n_embd=32,
                              intermediate_size=64, max_seq_len=64, bidirectional=bidirectional).eval()
 
 
@@ -129,19 +130,3 @@ def test_lr_schedule():
     assert math.isclose(llada.get_lr(10, **kw), 1.0)
     assert math.isclose(llada.get_lr(60, **kw), 0.55)
     assert llada.get_lr(110, **kw) == 0.1 == llada.get_lr(500, **kw)
-
-
-def test_shard_units_are_the_decoder_layers():
-    model = tiny_model()
-    units = llada.shard_units(model)
-    assert units == list(model.get_decoder().layers) and len(units) == 2
-
-
-def test_last_hidden_state_fallback_matches_the_base_model():
-    # a remote-code model without a base model (get_decoder() returns itself) goes through output_hidden_states
-    model = tiny_model()
-    x = torch.randint(0, 30, (2, 12))
-    native = llada.last_hidden_state(model, x)
-    model.get_decoder = lambda: model
-    fallback = llada.last_hidden_state(model, x)
-    assert torch.allclose(native, fallback, atol=1e-6)

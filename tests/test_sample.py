@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import hf
 import llada
 import sample
 
@@ -15,7 +16,7 @@ V, MASK, PAD, EOS = 40, 37, 38, 39
 
 def tiny(bidirectional, seed=0):
     torch.manual_seed(seed)
-    return llada.build_model('scratch', vocab_size=V, n_layer=2, n_head=2, n_kv_head=2, n_embd=32,
+    return hf.build_model('scratch', vocab_size=V, n_layer=2, n_head=2, n_kv_head=2, n_embd=32,
                              intermediate_size=64, max_seq_len=128, bidirectional=bidirectional).eval()
 
 
@@ -47,15 +48,13 @@ def test_pad_prompts_left_pads():
 
 
 @pytest.mark.parametrize('gen_length,block_length,steps', [(8, 8, 8), (12, 4, 6), (8, 4, 2)])
-def test_llada_fills_every_mask_and_is_deterministic(gen_length, block_length, steps):
+def test_llada_fills_every_mask_and_keeps_the_prompt(gen_length, block_length, steps):
     model = tiny(True)
     x, pm = sample.pad_prompts(PROMPTS, PAD)
-    kw = dict(prompt_mask=pm, gen_length=gen_length, block_length=block_length, steps=steps, mask_id=MASK)
-    a = sample.sample_llada(model, x, **kw)
-    b = sample.sample_llada(model, x, **kw)
+    a = sample.sample_llada(model, x, prompt_mask=pm, gen_length=gen_length, block_length=block_length, steps=steps,
+                            mask_id=MASK)
     assert a.shape == (4, x.shape[1] + gen_length)
     assert not (a == MASK).any(), 'a [MASK] survived sampling'
-    assert torch.equal(a, b), 'greedy sampling is not deterministic'
     assert torch.equal(a[:, :x.shape[1]], x), 'the prompt changed'
 
 
@@ -88,15 +87,42 @@ def test_llada_one_token_per_step_in_block_order():
     assert order == [8, 7, 6, 5, 4, 3, 2, 1]
 
 
-def test_llada_temperature_sampling_uses_the_generator():
-    model = tiny(True)
-    x = torch.tensor([PROMPTS[0]])
-    kw = dict(gen_length=8, block_length=8, steps=8, mask_id=MASK, temperature=1.0, remasking='random')
-    a = sample.sample_llada(model, x, generator=torch.Generator().manual_seed(1), **kw)
-    b = sample.sample_llada(model, x, generator=torch.Generator().manual_seed(1), **kw)
-    c = sample.sample_llada(model, x, generator=torch.Generator().manual_seed(2), **kw)
-    assert torch.equal(a, b) and not torch.equal(a, c)
-    assert not (a == MASK).any()
+# every source of randomness (Gumbel noise at temperature > 0, random remasking) draws from `generator` and from
+# nothing else: the same seed gives the same output, another seed another one, and the global RNG is untouched
+SEEDED = [
+    ('llada', dict(gen_length=8, block_length=4, steps=8, temperature=1.0)),
+    ('llada', dict(gen_length=8, block_length=4, steps=8, remasking='random')),  # greedy tokens, random order
+    ('llada', dict(gen_length=8, block_length=4, steps=8, temperature=1.0, remasking='random')),
+    ('llada', dict(gen_length=8, block_length=4, steps=8, temperature=1.0, cache='prefix')),
+    ('llada', dict(gen_length=8, block_length=4, steps=8, temperature=1.0, cache='dual', threshold=0.05)),
+    ('llada2', dict(gen_length=8, block_length=4, steps=4, temperature=1.0)),
+    ('llada2', dict(gen_length=8, block_length=4, steps=4, temperature=1.0, editing_threshold=0.0, max_post_steps=2)),
+    ('ar', dict(gen_length=8, temperature=1.0)),
+    ('ar', dict(gen_length=8, temperature=1.0, use_cache=False)),
+    ('infill', dict(steps=6, temperature=1.0)),
+    ('infill', dict(steps=6, block_length=4, remasking='random')),
+]
+
+
+@pytest.mark.parametrize('name,kw', SEEDED, ids=[f'{n}-{i}' for i, (n, _) in enumerate(SEEDED)])
+def test_sampling_draws_only_from_the_generator(name, kw):
+    model = tiny(name != 'ar')
+    if name == 'infill':
+        fn = sample.infill_llada
+        x, pm = sample.pad_prompts([[1, 2, MASK, MASK, 3, MASK, MASK, MASK, 4], [5, MASK, MASK, 6, MASK]], PAD)
+    else:
+        fn = sample.SAMPLERS[name]
+        x, pm = sample.pad_prompts(PROMPTS, PAD)
+    run = lambda seed: fn(model, x, prompt_mask=pm, mask_id=MASK, eos_id=EOS,
+                          generator=torch.Generator().manual_seed(seed), **kw)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    a, b, c = run(1), run(1), run(2)
+    assert torch.equal(torch.get_rng_state(), state), 'the sampler drew from the global RNG'
+    assert torch.equal(a, b), 'not reproducible under a seeded generator'
+    assert not torch.equal(a, c), 'another seed gave the same output: the generator is not used'
+    if name != 'ar':  # [MASK] is an ordinary token to an AR model
+        assert not (a == MASK).any()
 
 
 def test_gumbel_noise_samples_the_softmax():
@@ -113,6 +139,11 @@ def test_ar_kv_cache_equals_no_cache():
     x, pm = sample.pad_prompts(PROMPTS, PAD)
     a = sample.sample_ar(model, x, prompt_mask=pm, gen_length=10, use_cache=True)
     b = sample.sample_ar(model, x, prompt_mask=pm, gen_length=10, use_cache=False)
+    assert torch.equal(a, b)
+    # sampled too: the same generator seed draws the same Gumbel noise in the same order with or without the cache
+    kw = dict(prompt_mask=pm, gen_length=10, temperature=1.0)
+    a = sample.sample_ar(model, x, use_cache=True, generator=torch.Generator().manual_seed(3), **kw)
+    b = sample.sample_ar(model, x, use_cache=False, generator=torch.Generator().manual_seed(3), **kw)
     assert torch.equal(a, b)
 
 

@@ -1,7 +1,7 @@
 """sample.py, fast decoding: llada threshold decoding, early stop and Fast-dLLM caches, infill, llada2 (block
 refinement + token editing), NFE accounting, the --eval line, --show and the CLI's errors. Tiny random models (and
 fake models with hand-set confidences) on CPU, each behaviour against an independent reference.
-Run: python -m pytest -q tests/test_sample_fast.py   (-s prints the cached-vs-uncached differences)"""
+Run: python -m pytest -q tests/test_sample_fast.py"""
 import json
 import math
 import re
@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+import hf
 import llada
 import sample
 
@@ -19,7 +20,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
 
 def tiny(n_layer=2, seed=0, vocab_size=V):
     torch.manual_seed(seed)
-    return llada.build_model('scratch', vocab_size=vocab_size, n_layer=n_layer, n_head=2, n_kv_head=2, n_embd=32,
+    return hf.build_model('scratch', vocab_size=vocab_size, n_layer=n_layer, n_head=2, n_kv_head=2, n_embd=32,
                              intermediate_size=64, max_seq_len=128, bidirectional=True).eval()
 
 
@@ -78,7 +79,8 @@ def committed_per_step(calls, P):
     return [a - b for a, b in zip(n, n[1:])]
 
 # -----------------------------------------------------------------------------
-# every sampler / configuration: shape, no [MASK] left, deterministic, prompt untouched, padded batch == alone
+# every sampler / configuration: shape, no [MASK] left, prompt untouched, padded batch == alone (greedy). Seeded
+# sampling (same seed -> same output, another seed -> another, global RNG untouched): test_sample.py SEEDED
 
 CONFIGS = [
     ('llada', dict(gen_length=8, block_length=8, steps=8)),
@@ -95,16 +97,15 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize('name,kw', CONFIGS, ids=[f'{n}-{i}' for i, (n, _) in enumerate(CONFIGS)])
-def test_sampler_fills_deterministic_and_batch_equals_alone(name, kw):
+def test_sampler_fills_and_batch_equals_alone(name, kw):
     model = Wrap(tiny(), scale=30.0, eos_ramp=3.0, edit='editing_threshold' in kw)
     fn = sample.SAMPLERS[name]
     x, pm = sample.pad_prompts(PROMPTS, PAD)
     P, G = x.shape[1], kw['gen_length']
     run = lambda x, pm, seed=0: fn(model, x, prompt_mask=pm, mask_id=MASK, eos_id=EOS,
                                    generator=torch.Generator().manual_seed(seed), **kw)
-    a, b = run(x, pm), run(x, pm)
+    a = run(x, pm)
     assert a.shape == (4, P + G) and not (a == MASK).any(), 'a [MASK] survived sampling'
-    assert torch.equal(a, b), 'not deterministic under a fixed generator'
     assert torch.equal(a[:, :P], x), 'the prompt changed'
     if kw.get('temperature', 0) == 0:  # greedy: a padded batch decodes what each prompt decodes alone
         cut = lambda row: row[:row.index(EOS)] if EOS in row else row
@@ -229,7 +230,9 @@ def test_done_rows_leave_the_batch(name, kw):
 
 
 # -----------------------------------------------------------------------------
-# Fast-dLLM caches: exact where the math says so, the difference reported otherwise
+# Fast-dLLM caches: exact where the math says so (one step per block, a 1-layer model, every block's refresh
+# forward), shapes of the partial forwards. On deeper models the cache is approximate by design; how far it drifts
+# is a measurement, not a test.
 
 def test_cache_single_block_single_step_is_exact():
     x, pm = sample.pad_prompts(PROMPTS, PAD)
@@ -295,22 +298,6 @@ def test_cache_is_exact_for_a_one_layer_model(cache):
     b = sample.sample_llada(c_m, x, cache=cache, **kw)
     assert torch.equal(a, b) and len(ref_m.calls) == len(c_m.calls)
     assert lockstep_diff(ref_m.calls, c_m.calls, 4) < 1e-4
-
-
-def test_cache_difference_report():
-    # several layers: approximate by design. Reported (pytest -s), and bounded loosely so a broken cache shows
-    x, pm = sample.pad_prompts(PROMPTS, PAD)
-    kw = dict(prompt_mask=pm, gen_length=12, block_length=4, steps=12, mask_id=MASK)
-    ref_m = Wrap(tiny(n_layer=2), 30.0)
-    ref = sample.sample_llada(ref_m, x, **kw)
-    for cache in ('prefix', 'dual'):
-        m = Wrap(tiny(n_layer=2), 30.0)
-        out = sample.sample_llada(m, x, cache=cache, **kw)
-        diff = lockstep_diff(ref_m.calls, m.calls, 4)
-        frac = float((out != ref)[:, x.shape[1]:].float().mean())
-        print(f'\n{cache} cache vs none (2 layers, 3 blocks of 4): max |logit diff| {diff:.3g} on steps with the '
-              f'same canvas, {100 * frac:.1f}% of generated tokens differ')
-        assert not (out == MASK).any() and 0 < diff < 5.0
 
 
 # -----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """End-to-end runs of the family scripts (llada.py, ar.py) on a tiny model and a small synthetic dataset:
-the loss goes down, resume is bit-exact, the checkpoint and the HF export load, bad input fails with one line,
-and 2-process gloo DDP / FSDP2 give the gradients of 1 process with 2 accumulation steps.
+the loss goes down, resume is bit-exact, the checkpoint and the HF export load and sample.py decodes from them with
+the sampler they name, bad input fails with one line,
+and 2-process gloo DDP / FSDP2 with 2 micro-steps each give the gradients of 1 process with 4 accumulation steps.
 Run: python -m pytest -q tests/test_train.py"""
 import os
 import re
@@ -42,14 +43,21 @@ def ckpt(out_dir):
     return torch.load(os.path.join(out_dir, 'ckpt.pt'), map_location='cpu', weights_only=True)
 
 
-@pytest.mark.parametrize('script', ['llada.py', 'ar.py'])
-def test_tiny_run_learns(script, data_dir, tmp_path):
-    out = str(tmp_path / 'out')
+@pytest.fixture(scope='module', params=['llada.py', 'ar.py'])
+def trained(request, data_dir, tmp_path_factory):
+    """(script, out_dir, stdout) of a 40-step tiny run, shared by the tests that read what it wrote."""
+    script = request.param
+    out = str(tmp_path_factory.mktemp('trained') / 'out')
     r = run(script, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=40', '--learning_rate=1e-2', *TINY)
+    return script, out, r.stdout
+
+
+def test_tiny_run_learns(trained):
+    script, out, stdout = trained
     ls = [float(v) for _, v in sorted(losses(out).items())]
     assert len(ls) == 40
     assert sum(ls[-5:]) / 5 < 0.7 * sum(ls[:3]) / 3, ls
-    assert 'held-out exact-match accuracy' in r.stdout
+    assert 'held-out exact-match accuracy' in stdout
     c = ckpt(out)
     assert c['step'] == 40 and c['family'] == script[:-3]
     assert not any(k.startswith(('_orig_mod.', 'module.', 'model.model.model')) for k in c['model']), list(c['model'])[:3]
@@ -71,25 +79,55 @@ def test_resume_is_bit_exact(data_dir, tmp_path):
         assert torch.equal(st['exp_avg'], cb['optimizer']['state'][k]['exp_avg']), k
 
 
-def test_hf_export_loads_with_plain_transformers(data_dir, tmp_path):
-    import transformers
-    import llada
+def test_round_trip_train_export_sample(trained):
+    # train -> ckpt.pt + hf/ -> plain transformers and sample.load_checkpoint load it -> the sampler meta.json names
+    # decodes with its lengths -> `python sample.py --checkpoint out_dir` prints the same, with no other flag
     import json
-    out = str(tmp_path / 'out')
-    run('llada.py', f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--eval_samples=0', *TINY)
+    import transformers
+    import hf
+    import sample
+    script, out, _ = trained
+    family = script[:-3]
+    hf_dir = os.path.join(out, 'hf')
+    for f in ('ckpt.pt', 'hf/config.json', 'hf/meta.json'):
+        assert os.path.isfile(os.path.join(out, f)), f
     c = ckpt(out)
-    ref = llada.build_model('scratch', hf_config=json.loads(c['model_args']))
+    assert c['family'] == family and c['step'] == 40
+    ref = hf.build_model('scratch', hf_config=json.loads(c['model_args']))
     ref.load_state_dict(c['model'])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, 'hf')).eval()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     x = torch.randint(0, 256, (2, 12))
-    assert torch.allclose(hf(x).logits, ref.eval()(x).logits, atol=1e-6)
-    assert hf.config.is_causal is False  # still a bidirectional denoiser
-    meta = json.load(open(os.path.join(out, 'hf', 'meta.json')))
-    assert meta['mask_id'] == c['mask_id'] and meta['sampler'] == 'llada'
-    # and sample.py decodes from it
-    r = subprocess.run([sys.executable, 'sample.py', '--checkpoint', out, '--prompt', '12+34'], capture_output=True,
-                       text=True, cwd=ROOT)
-    assert r.returncode == 0 and r.stdout.startswith('12+34 -> '), r.stderr
+    assert torch.allclose(plain(x).logits, ref.eval()(x).logits, atol=1e-6)
+    assert plain.config.is_causal is (family == 'ar')  # llada: still a bidirectional denoiser
+    with open(os.path.join(hf_dir, 'meta.json')) as f:
+        meta = json.load(f)
+    assert meta['family'] == family and meta['sampler'] == {'llada': 'llada', 'ar': 'ar'}[family]
+    if family == 'llada':
+        assert meta['mask_id'] == c['mask_id']
+    model, tok, meta = sample.load_checkpoint(out)
+    opts = sample.sampler_options(meta['sampler'], meta, {})
+    for k in ('gen_length', 'block_length', 'steps'):  # the lengths the run was evaluated with
+        if k in meta:
+            assert opts[k] == meta[k] == c['config'][k], k
+    texts = ['12+34', '5+6', '123+456', '999+1']
+    prompts = [sample.encode_prompt(tok, t, raw=False) for t in texts]
+    gen = lambda eos_id: sample.generate(model, prompts, sampler=meta['sampler'], pad_id=meta['pad_id'], eos_id=eos_id,
+                                         mask_id=meta['mask_id'], **opts)
+    outs, full = gen(meta['eos_id']), gen(-1)  # cut at the first EOS; and the whole canvas (nothing to cut)
+    assert len(outs) == len(full) == 4
+    cut = lambda row: row[:row.index(meta['eos_id'])] if meta['eos_id'] in row else row
+    assert any(meta['eos_id'] in f for f in full), full  # the trained model ends its answers: the cut is exercised
+    for o, f in zip(outs, full):
+        assert o == cut(f), (o, f)
+        assert isinstance(o, list) and all(type(t) is int for t in o) and len(o) <= opts['gen_length'], o
+        assert all(type(t) is int for t in f) and len(f) == opts['gen_length'], f
+        assert meta['eos_id'] not in o, o
+        if family == 'llada':
+            assert meta['mask_id'] not in o and meta['mask_id'] not in f, (o, f)
+    r = subprocess.run([sys.executable, 'sample.py', '--checkpoint', out, '--prompt', texts[0]], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.rstrip('\n') == f'{texts[0]} -> {tok.decode(outs[0])}', (r.stdout, tok.decode(outs[0]))
 
 
 def test_bad_inputs_fail_with_one_line(data_dir, tmp_path):
@@ -108,8 +146,11 @@ def test_bad_inputs_fail_with_one_line(data_dir, tmp_path):
 
 @pytest.mark.parametrize('fsdp', [False, True])
 def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, fsdp):
+    # 4 accumulation steps in total: 2 micro-steps per rank, so the gradient-sync toggle matters (sync only on the
+    # last micro-step; DDP reads require_backward_grad_sync in forward, FSDP2 its flag in backward). One micro-step
+    # per rank would pass with the toggle set late, never, or not at all.
     a, b = str(tmp_path / 'one'), str(tmp_path / 'two')
-    common = [f'--data_dir={data_dir}', '--max_iters=1', '--gradient_accumulation_steps=2', '--grad_clip=0',
+    common = [f'--data_dir={data_dir}', '--max_iters=1', '--gradient_accumulation_steps=4', '--grad_clip=0',
               '--eval_samples=0', f'--fsdp={fsdp}', *TINY]
     run('llada.py', f'--out_dir={a}', *common)
     run('llada.py', f'--out_dir={b}', *common, nproc=2)
@@ -119,6 +160,8 @@ def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, fsdp):
     assert abs(ca['metrics']['grad_norm'] - cb['metrics']['grad_norm']) < 1e-4 * ca['metrics']['grad_norm']
     for k in ca['model']:
         assert torch.allclose(ca['model'][k], cb['model'][k], atol=1e-6), k
+    for k, st in ca['optimizer']['state'].items():  # the Adam moments saw the same (summed, synced) gradient
+        assert torch.allclose(st['exp_avg'], cb['optimizer']['state'][k]['exp_avg'], atol=1e-7, rtol=1e-4), k
 
 
 def test_ar_fsdp_two_ranks_with_eval(data_dir, tmp_path):

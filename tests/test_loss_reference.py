@@ -1,0 +1,116 @@
+"""The loss each family script LOGS, recomputed from scratch: the step-1 loss of a 1-step run (2 accumulation
+micro-steps, so the denominator must be the global count over both) against an independent reference built from the
+library pieces the script uses for init and data (hf.build_model, data.loader, llada.make_batch) and the FULL logits of
+a plain forward + F.cross_entropy, in float64. The reference shares no loss code with the script (no MDLM/CausalLM,
+no kernels.chunked_cross_entropy, no shift_targets), so a wrong denominator, an unshifted target, a dropped 1/p
+weight or a mismatched init/data order shows here.
+Run: python -m pytest -q tests/test_loss_reference.py"""
+import json
+import os
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf
+from test_train import TINY, ckpt, data_dir, run  # noqa: F401  (data_dir is a fixture)
+
+ARGS = ['--max_iters=1', '--gradient_accumulation_steps=2', '--grad_clip=0', '--eval_samples=0',
+        '--learning_rate=0', '--min_lr=0']  # lr 0: the checkpoint keeps the initial weights (the init is checked too)
+
+
+def logged_step1(out_dir):
+    """(loss, sup) of the 'step 1 | loss ... | sup ...' line of log.txt."""
+    with open(os.path.join(out_dir, 'log.txt')) as f:
+        m = re.search(r'^step 1 \| loss (\S+) \|.*\| sup (\d+) \|', f.read(), re.M)
+    assert m, 'no step-1 log line'
+    return float(m[1]), int(m[2])
+
+
+def initial_model(cfg, meta, bidirectional):
+    """The script's init, rebuilt: the global seed, then the scratch model from the resolved config."""
+    torch.manual_seed(cfg['seed'])
+    return hf.build_model('scratch', vocab_size=meta['vocab_size'], model_type=cfg['model_type'],
+                          n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_kv_head=cfg['n_kv_head'],
+                          n_embd=cfg['n_embd'], intermediate_size=cfg['intermediate_size'],
+                          max_seq_len=max(cfg['max_seq_len'], 256), rope_theta=cfg['rope_theta'],
+                          bidirectional=bidirectional)
+
+
+def micro_batches(cfg, ds):
+    """Example indices (and global rows) of step 0's micro-batches on 1 rank."""
+    from data.loader import batch_indices, global_rows
+    ga, bs = cfg['gradient_accumulation_steps'], cfg['batch_size']
+    for m in range(ga):
+        idx = batch_indices(len(ds), bs, seed=cfg['seed'], step=0, micro_step=m, rank=0, world_size=1, grad_accum=ga)
+        yield ds.examples(idx.tolist()), global_rows(bs, micro_step=m, rank=0, world_size=1)
+
+
+def check(out_dir, num, den, model):
+    c = ckpt(out_dir)
+    for k, v in model.state_dict().items():  # lr 0: the saved weights are the initial ones
+        assert torch.equal(c['model'][k], v), f'the reference init differs from the script\'s at {k}'
+    loss, sup = logged_step1(out_dir)
+    ref = float(num / den)
+    assert sup == int(den), (sup, int(den))
+    assert abs(c['metrics']['loss'] - loss) <= 1e-6 * max(1.0, loss), (c['metrics']['loss'], loss)
+    assert abs(c['metrics']['loss'] - ref) <= 1e-5 * ref, (c['metrics']['loss'], ref)
+
+
+def test_llada_logged_loss_is_weighted_ce_over_global_supervised_count(data_dir, tmp_path):
+    import llada
+    from data.loader import TokenDataset
+    out = str(tmp_path / 'out')
+    run('llada.py', f'--data_dir={data_dir}', f'--out_dir={out}', *ARGS, *TINY)
+    cfg = ckpt(out)['config']
+    assert cfg['gradient_accumulation_steps'] == 2 and not cfg['pack']
+    ds = TokenDataset(data_dir, 'train')
+    meta = ds.meta
+    model = initial_model(cfg, meta, bidirectional=True)
+    global_batch = cfg['batch_size'] * cfg['gradient_accumulation_steps']
+    fill = llada.fill_length(cfg['seed'], 0, cfg['eos_fill'])
+    num = den = 0.0
+    n_noise = 0
+    with torch.no_grad():
+        for examples, rows in micro_batches(cfg, ds):
+            mb = llada.make_batch(examples, llada.corruption_seeds(cfg['seed'], 0, rows, global_batch),
+                                  pad_id=meta['pad_id'], eos_id=meta['eos_id'], mask_id=cfg['mask_id'], eps=cfg['eps'],
+                                  max_seq_len=cfg['max_seq_len'], fill_to=fill, block_size=cfg['pad_block_size'],
+                                  pad_seq_len_divisible=cfg['pad_seq_len_divisible'],
+                                  supervise_padding=cfg['supervise_padding'], pack=False)
+            x0, xt, w, lm = mb['targets'], mb['input_ids'], mb['weights'], mb['loss_mask']
+            corrupted = (xt == cfg['mask_id']) & (lm > 0)  # the weights sit exactly there: 1/p > 1, one p per row
+            assert torch.equal(w > 0, corrupted) and (w[corrupted] > 1).all()
+            assert (w == w.amax(1, keepdim=True))[corrupted].all()
+            assert torch.equal(xt[~corrupted], x0[~corrupted])
+            logits = model(xt).logits.double()  # padded rows: full bidirectional attention, as the script
+            ce = F.cross_entropy(logits.flatten(0, 1), x0.flatten(), reduction='none').view_as(w)
+            num += float((ce * w.double()).sum())
+            den += float(lm.sum())
+            n_noise += int(corrupted.sum())
+    assert 0 < n_noise < den  # masked count != supervised count: the two denominators differ
+    check(out, num, den, model)
+
+
+def test_ar_logged_loss_is_next_token_ce_over_global_target_count(data_dir, tmp_path):
+    from data.loader import TokenDataset, collate
+    out = str(tmp_path / 'out')
+    run('ar.py', f'--data_dir={data_dir}', f'--out_dir={out}', *ARGS, *TINY)
+    cfg = ckpt(out)['config']
+    assert cfg['gradient_accumulation_steps'] == 2 and not cfg.get('pack')
+    ds = TokenDataset(data_dir, 'train')
+    meta = ds.meta
+    model = initial_model(cfg, meta, bidirectional=False)
+    num = den = 0.0
+    with torch.no_grad():
+        for examples, _ in micro_batches(cfg, ds):
+            b = collate(examples, pad_id=meta['pad_id'], eos_id=meta['eos_id'], block_size=cfg.get('pad_block_size', 1),
+                        pad_seq_len_divisible=cfg['pad_seq_len_divisible'], max_seq_len=cfg['max_seq_len'],
+                        supervise_padding=cfg['supervise_padding'])
+            x, lm = b['input_ids'], b['loss_mask']
+            logits = model(x).logits.double()  # (B, T, V); position i predicts token i + 1
+            ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction='none')
+            num += float((ce * lm[:, 1:].flatten().double()).sum())
+            den += float(lm[:, 1:].sum())
+    check(out, num, den, model)

@@ -30,7 +30,8 @@ The command line is applied left to right, so later items win:
   (`--wandb_run_name=2024` is '2024'). Only the first '=' splits, so `--start=a=b` sets start to 'a=b'.
 
 Any mistake (unknown key, wrong type, missing file, error in a file) prints one line `error: ...`
-naming the source ('command line' or file:line) to stderr and exits with status 2, like argparse.
+naming the source ('command line' or file:line) to stderr and exits with status 2, like argparse;
+usage_error() does the same for the scripts' own checks of the resolved settings.
 Tests use the pure core `apply_overrides(defaults, argv)`, which raises ConfigError instead.
 """
 
@@ -191,21 +192,31 @@ def help_text(g, script=None):
     lines += [f"  {arg:<{width}}  {typ:<5}  {comment}".rstrip() for arg, typ, comment in rows]
     return '\n'.join(lines)
 
-def configure(g, argv=None, script=None):
+def usage_error(message):
+    """A usage error: `error: message` on stderr (rank 0 only under torchrun: every rank finds the same), exit 2."""
+    if int(os.environ.get('RANK', 0)) == 0:
+        print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+def configure(g, argv=None, script=None, sources=None):
     """
     Apply sys.argv[1:] (or argv) to the config globals g in place and return the resolved {key: value}.
-    --help/-h prints help_text and exits 0; any ConfigError prints `error: ...` to stderr and exits 2.
+    --help/-h prints help_text and exits 0 (also into a closed pipe: `--help | head -2`); any ConfigError is a
+    usage_error. If sources is a dict it is filled with {key: where it was set} (see apply_overrides).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if '--help' in argv or '-h' in argv:
-        print(help_text(g, script if script is not None else g.get('__file__')))
+        try:
+            print(help_text(g, script if script is not None else g.get('__file__')))
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader left early; keep Python's exit-time flush from raising it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
-    sources = {}
+    sources = {} if sources is None else sources
     try:
         config = apply_overrides(g, argv, sources)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        usage_error(e)
     g.update(config)
     if int(os.environ.get('RANK', 0)) == 0:  # under torchrun only rank 0 talks
         for key, where in sources.items():

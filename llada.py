@@ -23,6 +23,9 @@ under `if __name__ == '__main__':` holds config -> configurator -> distributed i
 import json
 import math
 import os
+import re
+import shutil
+import signal
 import sys
 import time
 
@@ -146,7 +149,31 @@ def attention_for(model, batch, device):
     return None
 
 # -----------------------------------------------------------------------------
-# helpers shared by the training loop (kept here so tests can call them)
+# settings
+
+def family_settings_error(c):
+    """llada's own bad settings (the eval sampler's lengths, the corruption) as one line, or None; see
+    settings_error for the ones every family shares."""
+    if min(c['block_length'], c['steps'], c['pad_block_size']) < 1:
+        return (f"block_length={c['block_length']}, steps={c['steps']} and pad_block_size={c['pad_block_size']} "
+                f"must be > 0")
+    if c['gen_length'] % c['block_length']:
+        return f"gen_length={c['gen_length']} must be a multiple of block_length={c['block_length']}"
+    n_blocks = c['gen_length'] // c['block_length']
+    if c['steps'] % n_blocks:
+        return f"steps={c['steps']} must be divisible by the number of blocks gen_length/block_length={n_blocks}"
+    if not 0 < c['eps'] < 1:
+        return f"eps={c['eps']} must be in (0, 1)"
+    if c['eos_fill'] < 0 or c['mask_id'] < -1:
+        return f"eos_fill={c['eos_fill']} must be >= 0 and mask_id={c['mask_id']} >= -1 (-1: from meta.json)"
+    return None
+
+# -----------------------------------------------------------------------------
+# skeleton helpers
+# (every family script has this section verbatim: tests/test_family_contract.py compares the copies)
+
+MODEL_KEYS = ('model_type', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'intermediate_size', 'rope_theta')  # shape
+
 
 def get_lr(it, *, learning_rate, min_lr, warmup_iters, lr_decay_iters):
     """Linear warmup, then cosine decay to min_lr at lr_decay_iters, then flat."""
@@ -173,11 +200,135 @@ def git_commit():
         return ''
 
 
-def save_atomic(obj, path):
-    """torch.save to a temp file, then rename: a crash mid-write never leaves a truncated checkpoint."""
-    tmp = path + '.tmp'
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def settings_error(c):
+    """The first bad setting of the resolved config c as one line, or None. Run before any data, model or step, so
+    a bad eval setting cannot surface after hours of training; family_settings_error adds the family's own."""
+    import importlib.util
+    for k in ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'learning_rate', 'log_interval', 'max_seq_len',
+              'pad_seq_len_divisible', 'gen_length'):
+        if k in c and not c[k] > 0:
+            return f'{k}={c[k]!r} must be > 0' + (': nothing to train' if k == 'max_iters' else '')
+    for k in ('eval_interval', 'eval_iters', 'eval_samples', 'ckpt_interval', 'ckpt_interval_min', 'warmup_iters',
+              'min_lr', 'weight_decay', 'grad_clip', 'intermediate_size'):
+        if k in c and c[k] < 0:
+            return f'{k}={c[k]!r} must be >= 0'
+    if not (0 <= c['beta1'] < 1 and 0 <= c['beta2'] < 1):
+        return f"beta1={c['beta1']} and beta2={c['beta2']} must be in [0, 1)"
+    if c['init_from'] == 'scratch':  # the shape keys build the model only from scratch
+        if min(c['n_layer'], c['n_head'], c['n_kv_head'], c['n_embd']) < 1:
+            return 'n_layer, n_head, n_kv_head and n_embd must be > 0'
+        if c['n_embd'] % c['n_head'] or c['n_embd'] // c['n_head'] % 2:
+            return f"n_embd={c['n_embd']} must be n_head={c['n_head']} x an even head size (RoPE rotates pairs)"
+        if c['n_head'] % c['n_kv_head']:
+            return f"n_head={c['n_head']} must be divisible by n_kv_head={c['n_kv_head']}"
+        if c['model_type'] not in ('qwen3', 'llama'):
+            return f"model_type={c['model_type']!r} must be 'qwen3' or 'llama'"
+    if c['dtype'] not in ('auto', 'float32', 'bfloat16'):
+        return f"dtype={c['dtype']!r} must be 'auto', 'float32' or 'bfloat16'"
+    if not re.fullmatch(r'auto|cpu|cuda(:\d+)?', c['device']):
+        return f"device={c['device']!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"
+    if c['device'].startswith('cuda') and int(c['device'][5:] or 0) >= torch.cuda.device_count():
+        return f"device={c['device']!r} but torch {torch.__version__} sees {torch.cuda.device_count()} CUDA devices"
+    if c['wandb_log'] and importlib.util.find_spec('wandb') is None:
+        return 'wandb_log=True but wandb is not installed (pip install wandb, or --wandb_log=False)'
+    return None
+
+
+def resume_error(config, given, saved):
+    """On resume: the first model-shape key set on this run (given: {key: where}) to a value other than the one the
+    checkpoint's model was built with (saved: its config), as one line; None if they agree."""
+    for k in MODEL_KEYS:
+        if k in given and k in saved and config[k] != saved[k]:
+            return (f"{k}={config[k]!r} ({given[k]}) but the checkpoint was trained with {k}={saved[k]!r}; a resumed "
+                    f"run keeps its model: drop {k}, or start over with --init_from=scratch --overwrite=True")
+    return None
+
+
+def lock_out_dir(out_dir):
+    """(open lock file, None) once this process holds out_dir/lock, else (None, one line naming the holder's PID).
+    The kernel drops an flock when its holder exits or is killed, so a lock file left by a dead run is simply taken
+    over. Keep the file open for the run's life."""
+    import fcntl
+    f = open(os.path.join(out_dir, 'lock'), 'a+')
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or '?'
+        f.close()
+        return None, f'{out_dir} is in use by another run (PID {pid}); wait for it to end or pick another out_dir'
+    f.truncate(0)
+    f.write(f'{os.getpid()}\n')
+    f.flush()
+    return f, None
+
+
+def die_at(phase, step):
+    """Test hook (tests/test_reliability.py): NANODLM_DIE_AT=<phase> or <phase>:<step> makes this process SIGKILL
+    itself there: 'step' (mid-step), 'save' (ckpt.pt.tmp written), 'renamed' (ckpt.pt replaced), 'export' (hf.tmp
+    written). Unset, it does nothing."""
+    if os.environ.get('NANODLM_DIE_AT') in (phase, f'{phase}:{step}'):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_run(out_dir, ckpt, model, state_dict, meta, tokenizer):
+    """out_dir/ckpt.pt, then the HF export out_dir/hf (meta.json records the step), each replaced whole: ckpt.pt.tmp
+    is renamed over ckpt.pt, and a complete hf.tmp over hf (hf -> hf.old, hf.tmp -> hf). A kill at any point leaves
+    a loadable ckpt.pt and a whole hf/, which may be older than ckpt.pt (its meta.json says which step it is); a
+    kill between the two renames leaves hf.old, which the next run puts back."""
+    path, step = os.path.join(out_dir, 'ckpt.pt'), ckpt['step']
+    torch.save(ckpt, path + '.tmp')
+    die_at('save', step)
+    os.replace(path + '.tmp', path)
+    die_at('renamed', step)
+    hf_dir = os.path.join(out_dir, 'hf')
+    tmp, old = hf_dir + '.tmp', hf_dir + '.old'
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    if hasattr(tokenizer, 'save'):
+        tokenizer.save(tmp)
+    with open(os.path.join(tmp, 'meta.json'), 'w') as f:
+        json.dump({**meta, 'step': step}, f, indent=1)
+    die_at('export', step)
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(hf_dir):
+        os.replace(hf_dir, old)
+    os.replace(tmp, hf_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_run(path):
+    """The checkpoint at path (plain tensors), or RuntimeError: one line naming the file and what else is usable."""
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:  # truncated or corrupt: zip, pickle and EOF errors, depending on where the damage is
+        hf_dir = os.path.join(os.path.dirname(path), 'hf')
+        try:
+            with open(os.path.join(hf_dir, 'meta.json')) as f:
+                alt = (f"the last good alternative is {hf_dir} (step {json.load(f)['step']}, weights only, no "
+                       f"optimizer state): --init_from={hf_dir} --overwrite=True")
+        except (OSError, ValueError, KeyError):
+            alt = 'nothing else there is usable: start over with --overwrite=True'
+        raise RuntimeError(f'{path} is truncated or corrupt ({type(e).__name__}); {alt}') from None
+
+
+class StopSignal:
+    """SIGINT/SIGTERM during training: the first sets .signum (the loop saves a checkpoint after the step, then
+    exits 128 + signum); another one more than a second later exits at once (torchrun passes the terminal's Ctrl-C
+    on to its workers, so each sees the first one twice)."""
+
+    def __init__(self):
+        self.signum, self.time = 0, 0.0
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self)
+
+    def __call__(self, signum, frame):
+        if self.signum and time.time() - self.time > 1:
+            os._exit(128 + signum)
+        if not self.signum:
+            self.signum, self.time = signum, time.time()
+            os.write(2, f'{signal.Signals(signum).name}: saving a checkpoint after this step, then stopping '
+                        f'(send it again to stop at once)\n'.encode())
 
 # -----------------------------------------------------------------------------
 if __name__ == '__main__':
@@ -187,7 +338,10 @@ if __name__ == '__main__':
     out_dir = 'out-llada'  # checkpoints (ckpt.pt), the HF export (hf/) and log.txt
     init_from = 'scratch'  # 'scratch' | 'resume' (from out_dir/ckpt.pt) | path to a local HF checkpoint dir
     trust_remote_code = False  # needed for checkpoints with custom code (LLaDA-8B); only set it for code you trust
+    overwrite = False  # a fresh run may replace an out_dir's ckpt.pt (else: refused; init_from=resume continues it)
     eval_interval = 1000  # steps between evals + checkpoints (0 = only at the end)
+    ckpt_interval = 0  # also save a checkpoint every this many steps (0 = off)
+    ckpt_interval_min = 5.0  # also save one after this many minutes of wall time since the last (0 = off)
     log_interval = 10  # steps between log lines
     eval_iters = 2  # val batches for the val loss
     eval_samples = 500  # val prompts decoded by the sampler for exact-match accuracy (0 = skip)
@@ -195,7 +349,7 @@ if __name__ == '__main__':
     wandb_project = 'nanodlm'  # wandb project
     wandb_run_name = 'llada'  # wandb run name
     # data
-    dataset = 'add'  # synthetic task ('add'|'sort'|'sudoku', generated if missing) or a prepared dir under data/
+    dataset = 'add'  # synthetic task ('add'|'sort'|'sudoku', generated into data/<task>) or a prepared dir in data/
     data_dir = ''  # '' = data/<dataset>; any dir with meta.json + {train,val}.bin from data/prepare.py
     batch_size = 256  # examples per micro-batch per rank
     gradient_accumulation_steps = 1  # micro-steps per optimizer step, in total over all ranks (divided by world size)
@@ -203,7 +357,7 @@ if __name__ == '__main__':
     pad_block_size = 1  # >1: EOS-fill each row to a multiple of this (supervised, unattended)
     pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
     supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
-    eos_fill = 32  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length)
+    eos_fill = 0  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length)
     pack = False  # pack several examples per row of max_seq_len (per-document attention) instead of padding
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
@@ -239,13 +393,18 @@ if __name__ == '__main__':
     seed = 1337  # data order, corruption and init all derive from it
     # -------------------------------------------------------------------------
     import configurator
-    config = configurator.configure(globals())
+    given = {}  # key -> where this run set it (command line or file:line)
+    config = configurator.configure(globals(), sources=given)
+    problem = settings_error(config) or family_settings_error(config)
+    if problem:
+        configurator.usage_error(problem)  # one line, exit 2, before any data, model or step
 
     import numpy as np
     import torch.distributed as dist
     from contextlib import nullcontext
     from data.loader import TokenDataset, TextWindows, batch_indices, global_rows
-    from data.prepare import ensure_synthetic
+    from data.prepare import check_prepared, ensure_synthetic
+    from data.synthetic import TASKS
     from data.tokenizer import load_tokenizer
     import sample as sampler_lib
 
@@ -265,11 +424,6 @@ if __name__ == '__main__':
         ddp_rank, ddp_local_rank, ddp_world_size = 0, 0, 1
     master_process = ddp_rank == 0
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    if gradient_accumulation_steps % ddp_world_size:
-        sys.exit(f'error: gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be '
-                 f'divisible by the world size {ddp_world_size}')
-    grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
-    global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
 
     def print0(*a, **k):
         if master_process:
@@ -280,6 +434,14 @@ if __name__ == '__main__':
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def from_rank0(obj):
+        """rank 0's obj on every rank: the verdict of what only rank 0 checks (out_dir's lock and files)."""
+        if ddp:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            obj = box[0]
+        return obj
+
     def finish(code=0):
         # gloo ranks sometimes abort at interpreter shutdown; tear down explicitly (environment.md)
         sys.stdout.flush(); sys.stderr.flush()
@@ -287,6 +449,19 @@ if __name__ == '__main__':
             dist.destroy_process_group()
             os._exit(code)
         sys.exit(code)
+
+    def fail(message, code):
+        """`error: message`, one line on stderr (from rank 0: every rank reaches the same verdict), then exit with
+        code: 2 for a usage error (a bad setting or combination, found before training), 1 for a run-time failure."""
+        if master_process:
+            print(f'error: {message}', file=sys.stderr)
+        finish(code)
+
+    if gradient_accumulation_steps % ddp_world_size:
+        fail(f'gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be divisible by '
+             f'the world size {ddp_world_size}', 2)
+    grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
+    global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
 
     if dtype == 'auto':
         dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
@@ -299,22 +474,26 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # data
+    synthetic = not data_dir and dataset in TASKS  # only a named synthetic task is generated, into data/<task>
     data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
-    if master_process and not os.path.exists(os.path.join(data_dir, 'meta.json')):
+    if synthetic and master_process:
         ensure_synthetic(dataset, data_dir, max_seq_len=max_seq_len, seed=0)
     if ddp:
         dist.barrier()
-    train_ds, val_ds = TokenDataset(data_dir, 'train'), TokenDataset(data_dir, 'val')
-    meta = train_ds.meta
-    tokenizer = load_tokenizer(meta)
+    try:  # prepared, and its sources unchanged since (else one line with the data/prepare.py command to run)
+        check_prepared(data_dir, 'byte' if init_from in ('scratch', 'resume') else init_from, max_seq_len)
+        train_ds, val_ds = TokenDataset(data_dir, 'train'), TokenDataset(data_dir, 'val')
+        meta = train_ds.meta
+        tokenizer = load_tokenizer(meta)
+    except (OSError, ValueError) as e:
+        fail(str(e), 1 if os.path.isdir(data_dir) else 2)  # a data_dir that does not exist is a bad setting
     pad_id, eos_id = meta['pad_id'], meta['eos_id']
     text = meta.get('kind') == 'text'  # raw text: windows of max_seq_len tokens, every token supervised
     if text:
         try:
             train_ds, val_ds = TextWindows(train_ds, max_seq_len), TextWindows(val_ds, max_seq_len)
         except ValueError as e:
-            print(f'error: {data_dir}: {e}', file=sys.stderr)
-            finish(1)
+            fail(f'{data_dir}: {e}', 1)
 
     def get_batch(ds, idx, seeds, fill_to):
         """The micro-batch dict of examples idx (B,): collated (or packed), corrupted with per-row seeds (B,)."""
@@ -328,18 +507,40 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # model
-    os.makedirs(out_dir, exist_ok=True)
-    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-    start_step, checkpoint = 0, None
+    # out_dir holds one run at a time (a lock for the run's life), and a fresh run never replaces its checkpoint
+    ckpt_path, hf_dir = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'hf')
+    lock, verdict = None, (0, '')  # the lock (an open file, kept until exit); (exit code, message) of rank 0
+    if master_process:
+        os.makedirs(out_dir, exist_ok=True)
+        lock, busy = lock_out_dir(out_dir)
+        if busy:
+            verdict = (1, busy)
+        elif init_from != 'resume' and os.path.exists(ckpt_path) and not overwrite:
+            verdict = (2, f'{ckpt_path} exists: --init_from=resume continues that run, --overwrite=True replaces it')
+        elif not os.path.isdir(hf_dir) and os.path.isdir(hf_dir + '.old'):  # a kill between save_run's renames
+            os.replace(hf_dir + '.old', hf_dir)
+    code, message = from_rank0(verdict)
+    if code:
+        fail(message, code)
+    start_step, checkpoint, saved = 0, None, None
     attn_implementation = hf.default_attn_implementation(device)  # flex_attention on CUDA, sdpa on CPU
     if init_from == 'resume':
         if not os.path.exists(ckpt_path):
-            print(f'error: init_from=resume but {ckpt_path} does not exist', file=sys.stderr)
-            finish(1)
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)
+            fail(f'init_from=resume but {ckpt_path} does not exist', 1)
+        try:
+            checkpoint = load_run(ckpt_path)
+        except RuntimeError as e:
+            fail(str(e), 1)
+        saved = checkpoint['config']  # the settings it was trained with
+        problem = resume_error(config, given, saved)
+        if problem:
+            fail(problem, 2)
+        if checkpoint['step'] >= max_iters:
+            fail(f"{ckpt_path} is at step {checkpoint['step']} >= max_iters={max_iters}: nothing to train", 2)
+        config.update({k: saved[k] for k in MODEL_KEYS if k in saved})  # the model it is
         hf_config = json.loads(checkpoint['model_args'])
         if 'auto_map' in hf_config:  # remote-code model: its code travels with the HF export
-            model = hf.build_model(os.path.join(out_dir, 'hf'), trust_remote_code=trust_remote_code,
+            model = hf.build_model(hf_dir, trust_remote_code=trust_remote_code,
                                    bidirectional=True, attn_implementation=attn_implementation)
         else:
             model = hf.build_model('scratch', hf_config=hf_config, attn_implementation=attn_implementation)
@@ -352,17 +553,17 @@ if __name__ == '__main__':
                                    intermediate_size=intermediate_size, max_seq_len=max(max_seq_len, 256),
                                    rope_theta=rope_theta, trust_remote_code=trust_remote_code, bidirectional=True,
                                    attn_implementation=attn_implementation)
-        except (OSError, ValueError) as e:  # a missing/incomplete checkpoint dir, a bad model_type
-            print(f'error: {str(e).splitlines()[0]}', file=sys.stderr)
-            finish(1)
+        except (OSError, ValueError) as e:  # a missing/incomplete checkpoint dir
+            fail(str(e).splitlines()[0], 1)
     vocab = model.get_input_embeddings().weight.shape[0]
     if mask_id == -1:  # a resumed run keeps the [MASK] it was trained with
         mask_id = checkpoint['mask_id'] if checkpoint is not None else meta.get('mask_id', -1)
     try:
         check_mask_id(mask_id, vocab, pad_id, eos_id)
+        if checkpoint is not None and mask_id != checkpoint['mask_id']:
+            raise ValueError(f"mask_id={mask_id} but the checkpoint was trained with mask_id={checkpoint['mask_id']}")
     except ValueError as e:
-        print(f'error: {e}', file=sys.stderr)
-        finish(1)
+        fail(str(e), 2)
     model.to(device)
     raw_model = model  # the bare HF model: state_dict, export, sampling
     softcap = float(getattr(model.config, 'final_logit_softcapping', None) or 0.0)
@@ -409,23 +610,20 @@ if __name__ == '__main__':
         msd = {k[len('model.'):]: v for k, v in msd.items()}  # keys of the bare HF model
         if not master_process:
             return
-        save_atomic({'model': msd, 'optimizer': osd, 'step': step, 'family': 'llada',
-                     'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
-                     'mask_id': mask_id, 'torch_rng': torch.get_rng_state()}, ckpt_path)
-        # HF export: plain transformers can load it; sample.py --checkpoint out_dir uses it
-        hf_dir = os.path.join(out_dir, 'hf')
-        raw_model.save_pretrained(hf_dir, state_dict=msd)
-        with open(os.path.join(hf_dir, 'meta.json'), 'w') as f:
-            json.dump({**meta, 'mask_id': mask_id, 'family': 'llada', 'sampler': 'llada', 'gen_length': gen_length,
-                       'block_length': block_length, 'steps': steps}, f, indent=1)
-        if hasattr(tokenizer, 'save'):
-            tokenizer.save(hf_dir)
+        # ckpt.pt, then the HF export hf/ (plain transformers loads it; sample.py --checkpoint out_dir uses it)
+        save_run(out_dir, {'model': msd, 'optimizer': osd, 'step': step, 'family': 'llada',
+                           'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
+                           'mask_id': mask_id, 'torch_rng': torch.get_rng_state()},
+                 raw_model, msd, {**meta, 'mask_id': mask_id, 'family': 'llada', 'sampler': 'llada',
+                                  'gen_length': gen_length, 'block_length': block_length, 'steps': steps}, tokenizer)
 
     # -------------------------------------------------------------------------
     # eval
     n_acc = 0 if text else min(eval_samples, len(val_ds))  # raw text has no prompts to answer
     if text and eval_samples > 0:
         print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
+    if eval_iters == 0:
+        print0('note: eval_iters=0: evals compute no val_loss')
     acc_rows = []  # (prompt ids incl. the assistant header, reference answer text) of the first n_acc val examples
     for i in range(n_acc):
         ids, lm = val_ds.example(i)
@@ -470,7 +668,7 @@ if __name__ == '__main__':
                                     attention_for(raw_model, mb, device), pos_of(mb))
             tot += torch.stack([ce.float(), mb['loss_mask'].sum().to(device)])
         all_sum(tot)
-        out = {'val_loss': (tot[0] / tot[1].clamp_min(1)).item()}
+        out = {'val_loss': (tot[0] / tot[1].clamp_min(1)).item()} if eval_iters > 0 else {}  # no batch, no loss
         if n_acc > 0:
             out['accuracy'] = accuracy()
         mdlm.train()
@@ -482,16 +680,23 @@ if __name__ == '__main__':
     # the resolved values ('auto', -1 and the like replaced by what this run uses), logged and saved with ckpt.pt
     config.update(device=device, dtype=dtype, mask_id=mask_id, lr_decay_iters=lr_decay_iters, data_dir=data_dir,
                   attn_implementation=attn_implementation, world_size=ddp_world_size, git_commit=git_commit())
+    resumed = ''  # a resumed run: the settings it changes take effect, and are logged
+    if saved is not None:
+        moved = [f'{k} {saved[k]!r} -> {v!r}' for k, v in config.items()
+                 if k in saved and saved[k] != v and k not in ('init_from', 'git_commit')]
+        resumed = f"resume from step {start_step}: {'changed ' + ', '.join(moved) if moved else 'no setting changed'}"
+        print0(resumed)
     if master_process:
         log_file = open(os.path.join(out_dir, 'log.txt'), 'a')
         log_file.write(f'# llada.py torch {torch.__version__} device {device} world {ddp_world_size}\n'
-                       f'# config {json.dumps(config)}\n')
+                       f'# config {json.dumps(config)}\n' + (f'# {resumed}\n' if resumed else ''))
     if wandb_log and master_process:
         import wandb
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
     metrics = {}
     step = start_step
-    t0 = time.time()
+    stop = StopSignal()  # SIGINT/SIGTERM: save after the step, then exit
+    t0 = last_save = time.time()
     while step < max_iters:
         lr = get_lr(step, learning_rate=learning_rate, min_lr=min_lr, warmup_iters=warmup_iters,
                     lr_decay_iters=lr_decay_iters)
@@ -526,9 +731,9 @@ if __name__ == '__main__':
         all_sum(loss_sum)
         step_loss = loss_sum[0].item()
         if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
-            print0(f'error: non-finite loss {step_loss} / grad_norm {float(grad_norm)} at step {step}; stopping. '
-                   f'The last good checkpoint ({ckpt_path}) is untouched.')
-            finish(1)
+            fail(f'non-finite loss {step_loss} / grad_norm {float(grad_norm)} at step {step + 1}; stopping. The last '
+                 f'good checkpoint ({ckpt_path}) is untouched.', 1)
+        die_at('step', step + 1)  # test hook: a kill mid-step (gradients computed, not applied)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -545,17 +750,27 @@ if __name__ == '__main__':
                 log_file.write(line + '\n'); log_file.flush()
                 if wandb_log:
                     wandb.log(metrics, step=step)
-        if (eval_interval > 0 and step % eval_interval == 0) or step == max_iters:
+        # a checkpoint at each eval, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM.
+        # Every rank must take part (a collective under FSDP): rank 0's clock and any rank's signal decide, summed
+        is_eval = (eval_interval > 0 and step % eval_interval == 0) or step == max_iters
+        due = (ckpt_interval > 0 and step % ckpt_interval == 0) or \
+            (master_process and ckpt_interval_min > 0 and time.time() - last_save >= 60 * ckpt_interval_min)
+        due, stopping = all_sum(torch.tensor([float(due), float(stop.signum > 0)], device=device)).tolist()
+        if is_eval:
             ev = evaluate(step)
             metrics.update(ev)
-            line = f'eval step {step} | ' + ' | '.join(f'{k} {v:.4f}' for k, v in ev.items())
+            line = f'eval step {step} | ' + (' | '.join(f'{k} {v:.4f}' for k, v in ev.items()) or 'nothing to report')
             print0(line)
             if master_process:
                 log_file.write(line + '\n'); log_file.flush()
                 if wandb_log:
                     wandb.log(ev, step=step)
+        if is_eval or due or stopping:
             save_checkpoint(step, metrics)
-            t0 = time.time()
+            t0 = last_save = time.time()
+        if stopping and step < max_iters:
+            print0(f'stopped by a signal after step {step}, saved in {ckpt_path}: --init_from=resume continues')
+            finish(128 + (stop.signum or signal.SIGTERM))
     if 'accuracy' in metrics:
         print0(f"held-out exact-match accuracy on {dataset}: {100 * metrics['accuracy']:.1f}%")
     finish(0)

@@ -1,6 +1,7 @@
 # llada_sft: LLaDA-8B-Base SFT (MDLM), the NeMo AutoModel llada_sft.yaml recipe in nanodlm terms.
 # Hardware: 8x H100/H200 80GB+, FSDP2, bf16 autocast over fp32 master weights.
-# Data: a chat JSONL prepared with the LLaDA tokenizer, e.g.
+# Data: chat JSONL (data/gsm8k/train.jsonl and val.jsonl) prepared with the LLaDA tokenizer first (llada.py says so
+# with this exact command when data/gsm8k is not prepared):
 #   python data/prepare.py --input_dir=data/gsm8k --tokenizer=/path/to/LLaDA-8B-Base --max_seq_len=1024
 # Launch:
 #   torchrun --standalone --nproc_per_node=8 llada.py config/llada_sft.py --init_from=/path/to/LLaDA-8B-Base
@@ -24,6 +25,7 @@ warmup_iters = 50
 max_iters = 1000
 grad_clip = 1.0
 eval_interval = 200
+ckpt_interval_min = 30.0  # a full 8B checkpoint (weights + AdamW state, ~100 GB) takes minutes to write
 eval_iters = 8
 eval_samples = 256
 gen_length = 256

@@ -20,8 +20,16 @@ import functools
 import json
 import os
 import random
+import sys
 
 TASKS = ('add', 'sort', 'sudoku')
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line `error: ...` on stderr, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f'error: {message} (see --help)\n')
 
 
 def _add(rng):
@@ -93,14 +101,17 @@ def _sudoku(rng):
 
 
 def generate(task, n, seed):
-    """n records with pairwise distinct prompts; deterministic in (task, seed), and a prefix of any larger n."""
-    assert task in TASKS, f"unknown task {task!r} (expected one of {', '.join(TASKS)})"
+    """n records with pairwise distinct prompts; deterministic in (task, seed), and a prefix of any larger n.
+    ValueError for an unknown task or more records than the task has distinct prompts."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r} (expected one of {', '.join(TASKS)})")
     make = {'add': _add, 'sort': _sort, 'sudoku': _sudoku}[task]
     rng = random.Random(f'{task}-{seed}')  # str seeds hash deterministically (sha512), unlike hash()
     seen, records, tries = set(), [], 0
     while len(records) < n:
         tries += 1
-        assert tries <= 100 * (n + 10), f"task {task!r} ran out of distinct prompts after {len(records)} of {n}"
+        if tries > 100 * (n + 10):
+            raise ValueError(f"task {task!r} ran out of distinct prompts after {len(records)} of {n}")
         prompt, answer = make(rng)
         if prompt in seen:
             continue
@@ -110,7 +121,7 @@ def generate(task, n, seed):
 
 
 def write_jsonl(records, path):
-    tmp = path + '.tmp'
+    tmp = f'{path}.tmp{os.getpid()}'  # per process: two runs generating one dir never share a temp file
     with open(tmp, 'w') as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + '\n')
@@ -127,11 +138,17 @@ def write_splits(task, out_dir, n_train, n_val, seed):
 
 
 if __name__ == '__main__':
-    parser = argparse.ArgumentParser(description='Generate a synthetic chat task as train.jsonl / val.jsonl.')
+    parser = ArgumentParser(description='Generate a synthetic chat task as train.jsonl / val.jsonl.')
     parser.add_argument('--task', choices=TASKS, default='add', help='which task')
     parser.add_argument('--n_train', type=int, default=20000, help='number of training examples')
     parser.add_argument('--n_val', type=int, default=500, help='number of validation examples')
     parser.add_argument('--seed', type=int, default=0, help='random seed')
     parser.add_argument('--out_dir', default=None, help='output directory (default: data/<task>)')
     args = parser.parse_args()
-    write_splits(args.task, args.out_dir or os.path.join('data', args.task), args.n_train, args.n_val, args.seed)
+    if args.n_train < 1 or args.n_val < 1:  # checked before anything is written
+        parser.error(f'--n_train={args.n_train} and --n_val={args.n_val} must be > 0')
+    try:
+        write_splits(args.task, args.out_dir or os.path.join('data', args.task), args.n_train, args.n_val, args.seed)
+    except ValueError as e:
+        print(f'error: {e}', file=sys.stderr)
+        sys.exit(2)

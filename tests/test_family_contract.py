@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BANNER = re.compile(r'^\s*# -{20,}\s*$')  # a section banner line: '# ------...'
-SHARED = ['distributed init']  # the sections every family script copies verbatim from llada.py
+SHARED = ['distributed init', 'skeleton helpers']  # the sections every family script copies verbatim from llada.py
 
 
 def section(path, name):

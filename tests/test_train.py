@@ -133,8 +133,8 @@ def test_round_trip_train_export_sample(trained):
 def test_bad_inputs_fail_with_one_line(data_dir, tmp_path):
     out = str(tmp_path / 'out')
     for args, code, msg in [
-        (['--mask_id=100000'], 1, 'mask_id=100000 is outside the vocabulary'),
-        (['--mask_id=258'], 1, 'mask_id=258 equals the eos id'),
+        (['--mask_id=100000'], 2, 'mask_id=100000 is outside the vocabulary'),
+        (['--mask_id=258'], 2, 'mask_id=258 equals the eos id'),
         (['--init_from=resume'], 1, 'ckpt.pt does not exist'),
         (['--lerning_rate=1'], 2, "did you mean 'learning_rate'"),
         (['--init_from=/nonexistent/model'], 1, 'no config.json'),

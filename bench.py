@@ -6,7 +6,8 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py --only=ce --V=50304 --N=2048 --dtype=bfloat16   # smaller / other dtype
     python bench.py --only=train         # one llada training step vs a naive full-logits step
     python bench.py --only=pack --V=50304 --T=512   # llada step on mixed-length chat: packed rows vs padded rows
-    python bench.py --only=sample        # llada decoding: reference vs threshold vs prefix / dual KV cache
+    python bench.py --only=sample        # llada decoding: reference vs threshold vs prefix / dual KV cache, and
+                                         # at batch 1 the reference setting vs a plain twin of LLaDA's loop
     python bench.py --only=sample --checkpoint=out-llada-sudoku --val=data/sudoku/val.jsonl --threshold=0.9,0.999
     python bench.py --only=gpu           # every CUDA path of a llada step (flex, bf16, compile, FSDP2) checked against
                                          # its reference, then tokens/s + MFU of a ~0.5B model; exits 1 if a check fails
@@ -217,10 +218,12 @@ def pack_report(results, args):
           f"{args.iters}, {torch.get_num_threads()} threads; tokens = real example tokens")
     ref = results.get('padded')
     ok = ref is not None and 'error' not in ref
-    header = "| variant | rows x T | real tokens / slots | s/step | tokens/s | peak MiB above baseline | tokens/s vs padded |"
+    header = ("| variant | rows x T | real tokens / slots | s/step | CPU s/step | tokens/s | peak MiB above baseline | "
+              "speed vs padded (wall, CPU) |")
     for v, r in measured(results, header):
-        speed = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ok else '-'
-        print(f"| {v} | {r['rows']} x {r['T']} | {r['fill']:.2f} | {r['s']:.2f} | {r['tok_s']:,.0f} | {r['mib']:.0f} | {speed} |")
+        speed = f"{ref['s'] / r['s']:.2f}x, {ref['cpu_s'] / r['cpu_s']:.2f}x" if ok else '-'
+        print(f"| {v} | {r['rows']} x {r['T']} | {r['fill']:.2f} | {r['s']:.2f} | {r['cpu_s']:.2f} | {r['tok_s']:,.0f} | "
+              f"{r['mib']:.0f} | {speed} |")
 
 
 def pack_need_mib(variant, args):
@@ -229,14 +232,16 @@ def pack_need_mib(variant, args):
 
 # -----------------------------------------------------------------------------
 # sample: llada decoding speed on the trained tiny model (accuracy, NFE, generated tokens/s), Fast-dLLM style:
-# the LLaDA reference (one token per step) vs + threshold decoding vs + block-wise prefix / dual KV caches
+# the LLaDA reference (one token per step) vs + threshold decoding vs + block-wise prefix / dual KV caches; and at
+# batch 1 (prompts one at a time) the reference setting of sample_llada vs a plain twin of LLaDA's generate() loop,
+# which pays for nothing but the forward, the argmax and the top-k commit
 
 FAST_VARIANTS = ['threshold', 'threshold_blocks', 'prefix_cache', 'dual_cache']
 
 
 def sample_variants(args):
-    """'reference', then each fast variant at each --threshold ('name@t')."""
-    return ['reference'] + [f'{v}@{t}' for t in args.threshold.split(',') for v in FAST_VARIANTS]
+    """'reference', then each fast variant at each --threshold ('name@t'), then 'batch1'."""
+    return ['reference'] + [f'{v}@{t}' for t in args.threshold.split(',') for v in FAST_VARIANTS] + ['batch1']
 
 
 def sample_options(variant, meta, args):
@@ -251,14 +256,72 @@ def sample_options(variant, meta, args):
     # the largest proper divisor of G above 1 (G itself when G is prime: one block, the cache holds the prompt)
     b = args.cache_block or max([d for d in range(2, G // 2 + 1) if G % d == 0] or [G])
     blocks = dict(fast, block_length=b)
-    return {'reference': ref, 'threshold': fast, 'threshold_blocks': blocks,
+    return {'reference': ref, 'batch1': ref, 'threshold': fast, 'threshold_blocks': blocks,
             'prefix_cache': dict(blocks, cache='prefix'), 'dual_cache': dict(blocks, cache='dual')}[name]
+
+
+@torch.no_grad()
+def plain_llada(model, x, *, gen_length, block_length, steps, mask_id):
+    """The plain twin: LLaDA's generate() (ML-GSAI/LLaDA generate.py) for one unpadded prompt x (1, P), greedy,
+    low-confidence remasking, no CFG: a full forward, argmax, float64 softmax confidence, top-k commit per step."""
+    x = torch.cat([x, torch.full((1, gen_length), mask_id, dtype=torch.long, device=x.device)], dim=1)
+    P, n_blocks = x.shape[1] - gen_length, gen_length // block_length
+    for nb in range(n_blocks):
+        hi = P + (nb + 1) * block_length
+        n = (x[:, hi - block_length:hi] == mask_id).sum(1)
+        k = kernels.num_transfer_tokens_reference(n, steps // n_blocks)[0].tolist()  # get_num_transfer_tokens
+        for i in range(steps // n_blocks):
+            mask_index = x == mask_id
+            logits = model(x).logits  # (1, T, V)
+            x0 = torch.argmax(logits, dim=-1)  # add_gumbel_noise(logits, 0) is the logits
+            x0_p = torch.gather(F.softmax(logits.double(), dim=-1), -1, x0[..., None])[..., 0]
+            x0_p[:, hi:] = -float('inf')
+            x0 = torch.where(mask_index, x0, x)
+            confidence = torch.where(mask_index, x0_p, -float('inf'))
+            idx = torch.topk(confidence[0], k=k[i]).indices
+            x[0, idx] = x0[0, idx]
+    return x
+
+
+def sample_batch1(args):
+    """Prompts one at a time, the reference setting: sample_llada and plain_llada on each prompt in turn (the order
+    swapped from prompt to prompt, so drift on a shared machine hits both alike), a warm-up round then args.iters
+    rounds; per decoder the median round's wall and CPU seconds, and whether every canvas is identical."""
+    import sample
+    torch.manual_seed(0)
+    model, tok, meta = sample.load_checkpoint(args.checkpoint)
+    opts = sample_options('batch1', meta, args)
+    xs = [torch.tensor([sample.encode_prompt(tok, q, raw=False)]) for q, *_ in
+          sample.read_records(args.val)[:args.n_batch1]]
+    run = {'sample_llada': lambda x: sample.sample_llada(model, x, mask_id=meta['mask_id'], eos_id=meta['eos_id'],
+                                                         **opts),
+           'plain twin': lambda x: plain_llada(model, x, mask_id=meta['mask_id'], **opts)}
+    outs, rounds = {k: [None] * len(xs) for k in run}, {k: [] for k in run}
+    for it in range(args.iters + 1):  # round 0 is the warm-up
+        spent = {k: [0.0, 0.0] for k in run}  # wall, CPU
+        for j, x in enumerate(xs):
+            for name in (list(run) if (it + j) % 2 else list(run)[::-1]):
+                t0, c0 = time.perf_counter(), time.process_time()
+                outs[name][j] = run[name](x)
+                spent[name][0] += time.perf_counter() - t0
+                spent[name][1] += time.process_time() - c0
+        if it:
+            for k in run:
+                rounds[k].append(spent[k])
+    cut = lambda row: row[:row.index(meta['eos_id'])] if meta['eos_id'] in row else row
+    tokens = sum(len(cut(o[0, x.shape[1]:].tolist())) for o, x in zip(outs['plain twin'], xs))
+    same = all(torch.equal(a, b) for a, b in zip(outs['sample_llada'], outs['plain twin']))
+    med = lambda rs: sorted(rs)[len(rs) // 2]  # the median round (by wall)
+    return {'opts': opts, 'n': len(xs), 'tokens': tokens, 'identical': same,
+            'rows': {k: dict(zip(('wall', 'cpu_s'), med(rounds[k]))) for k in run}}
 
 
 def sample_child(variant, args):
     import sample
     if not os.path.isdir(args.checkpoint):
         return {'error': f"skipped: no checkpoint {args.checkpoint!r} (run python llada.py)"}
+    if variant == 'batch1':
+        return sample_batch1(args)
     torch.manual_seed(0)
     model, tok, meta = sample.load_checkpoint(args.checkpoint)
     records = sample.read_records(args.val)[:args.n_prompts]
@@ -277,6 +340,7 @@ def sample_child(variant, args):
 def sample_report(results, args):
     print(f"sample: llada on {args.checkpoint}, first {args.n_prompts} prompts of {args.val}, batch {args.sample_batch}, "
           f"greedy, median of {args.iters} evals (after one warm-up batch), {torch.get_num_threads()} threads")
+    b1 = results.pop('batch1', None)
     ref = results.get('reference')
     ok = ref is not None and 'error' not in ref
     header = "| variant | settings | accuracy | NFE/prompt | tokens/forward | generated tok/s | CPU s | tok/s vs reference | accuracy vs reference |"
@@ -289,6 +353,22 @@ def sample_report(results, args):
         dacc = f"{r['accuracy'] - ref['accuracy']:+.1f} pt" if ok else '-'
         print(f"| {v} | {s} | {r['accuracy']:.1f}% | {r['nfe_per_prompt']:.2f} | {r['tokens_per_forward']:.2f} | "
               f"{r['tok_s']:,.0f} | {r['cpu_s']:.2f} | {speed} | {dacc} |")
+    if b1 is None:
+        return
+    print()
+    if 'error' in b1:
+        print(f"sample, batch 1: {b1['error']}")
+        return
+    o = b1['opts']
+    print(f"sample, batch 1: the reference setting (gen {o['gen_length']}, block {o['block_length']}, steps "
+          f"{o['steps']}) on the first {b1['n']} prompts one at a time, median of {args.iters} rounds after a warm-up; "
+          f"identical canvases: {'yes' if b1['identical'] else 'NO'}")
+    print("| decoder | generated tok/s | wall s | CPU s | tok/s vs plain twin |")
+    print('|---|---|---|---|---|')
+    twin = b1['rows']['plain twin']
+    for name, r in b1['rows'].items():
+        print(f"| {name} | {b1['tokens'] / r['wall']:,.0f} | {r['wall']:.3f} | {r['cpu_s']:.3f} | "
+              f"{twin['wall'] / r['wall']:.2f}x |")
 
 
 def sample_need_mib(variant, args):
@@ -616,6 +696,7 @@ def parse_args(argv=None):
     p.add_argument('--val', default='data/add/val.jsonl', help='sample: chat JSONL prompts with answers')
     p.add_argument('--n_prompts', type=int, default=200, help='sample: first n prompts')
     p.add_argument('--sample_batch', type=int, default=64, help='sample: prompts per batch')
+    p.add_argument('--n_batch1', type=int, default=100, help='sample: prompts decoded one at a time (batch-1 row)')
     p.add_argument('--threshold', default='0.9', help='sample: Fast-dLLM confidence threshold(s), comma-separated')
     p.add_argument('--cache_block', type=int, default=0, help='sample: block length of the cached variants (0 = largest divisor <= gen/2)')
     p.add_argument('--toy', action=argparse.BooleanOptionalAction, default=None,

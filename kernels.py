@@ -7,6 +7,8 @@ Numerically critical pieces shared by every family script, each next to its plai
 2. Attention masks as flex_attention `mask_mod(b, h, q_idx, kv_idx) -> bool` closures, one per layout.
    The same closure gives a dense bool mask for SDPA (dense_mask, the test oracle and the CPU path, since
    flex has no backward on CPU) and a BlockMask for flex on CUDA (block_mask).
+3. Sampling primitives that every sampler of sample.py draws with: Gumbel-max noise and the categorical
+   sampler (both float64), the even transfer schedule, per-row top-k. Twins: *_reference.
 
 Mask closures use tensor ops only and index captured tensors with tuple indexing `t[b, i]` (chained
 indexing `t[b][i]` segfaults inside compiled flex on CPU). Indices are clamped before lookups, so a
@@ -323,3 +325,74 @@ def attention(q, k, v, mask, scale=None):
     if BlockMask is not None and isinstance(mask, BlockMask):
         return _flex_compiled(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+# -----------------------------------------------------------------------------
+# sampling primitives (sample.py's commit rules, propose/select, are built on these). Draws are float64 on
+# purpose: low-precision Gumbel noise degrades generation quality (arXiv 2409.02908); LLaDA, Fast-dLLM and SCDD
+# all sample in float64. Every draw comes from `generator`, never from the global RNG.
+
+def add_gumbel_noise(logits, temperature, generator=None):
+    """logits/T + Gumbel noise in float64, so argmax(...) ~ softmax(logits/T). T=0 returns logits (greedy)."""
+    if temperature == 0:
+        return logits
+    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    return logits.double() / temperature - torch.log(-torch.log(u.clamp_min(1e-300)))
+
+
+def add_gumbel_noise_reference(logits, temperature, generator=None):
+    """Twin: LLaDA's own form exp(logits) / (-log u)^T (the same u, the same argmax; overflows for logits > 709)."""
+    if temperature == 0:
+        return logits
+    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    return logits.double().exp() / (-torch.log(u)) ** temperature
+
+
+def sample_categorical(probs, generator=None):
+    """One draw per row of probs (..., K) (non-negative, rows need not sum to 1) -> (...) long, by the exponential
+    race in float64: argmax(p / E) with E ~ Exp(1) picks k with probability p_k / sum(p) (SCDD _sample_categorical;
+    no cumsum, so no float error accumulates over a large vocabulary). A zero-probability entry is never drawn."""
+    u = torch.rand(probs.shape, dtype=torch.float64, device=probs.device, generator=generator)
+    return (probs.double() / -torch.log(u)).argmax(-1)  # u < 1, so E > 0; u = 0 gives E = inf (that entry loses)
+
+
+def sample_categorical_reference(probs, generator=None):
+    """Twin: Gumbel-max on log p with the same uniforms, argmax(log p - log(-log u)) (the log of the race)."""
+    u = torch.rand(probs.shape, dtype=torch.float64, device=probs.device, generator=generator)
+    return (probs.double().log() - torch.log(-torch.log(u))).argmax(-1)
+
+
+def num_transfer_tokens(n_masked, steps):
+    """LLaDA Eq. (8) schedule: spread each row's n masked tokens evenly over `steps`, the remainder on the
+    earliest steps. n_masked (B,) long -> (B, steps) long."""
+    base = n_masked[:, None] // steps  # (B, 1)
+    extra = (torch.arange(steps, device=n_masked.device)[None, :] < (n_masked[:, None] % steps)).long()
+    return base + extra  # (B, steps)
+
+
+def num_transfer_tokens_reference(n_masked, steps):
+    """Twin: LLaDA's get_num_transfer_tokens loop."""
+    out = torch.zeros(len(n_masked), steps, dtype=torch.long)
+    for b, n in enumerate(n_masked.tolist()):
+        out[b] = n // steps
+        out[b, :n % steps] += 1
+    return out
+
+
+def topk_mask(conf, k):
+    """(B, N) bool: each row's k highest `conf` entries. k is an int (every row; torch.topk, as LLaDA's loop) or a
+    (B,) long tensor (per row; a stable descending sort, ties to the lower index, no per-row loop and no sync)."""
+    if isinstance(k, int):
+        return torch.zeros_like(conf, dtype=torch.bool).scatter_(1, conf.topk(k, dim=1).indices, True)
+    order = conf.argsort(dim=1, descending=True, stable=True)  # (B, N)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(conf.shape[1], device=conf.device).expand_as(order))
+    return rank < k[:, None]
+
+
+def topk_mask_reference(conf, k):
+    """Twin: one torch.topk per row (LLaDA's loop)."""
+    ks = [k] * len(conf) if isinstance(k, int) else k.tolist()
+    out = torch.zeros_like(conf, dtype=torch.bool)
+    for b, kb in enumerate(ks):
+        out[b, conf[b].topk(kb).indices] = True
+    return out

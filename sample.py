@@ -7,27 +7,38 @@ sample.py: every sampler of the project behind one command line.
     python sample.py --checkpoint out-llada --infill --infill_length 1 --steps 1 --prompt "123+4[MASK]6"
     python sample.py --checkpoint out-ar --sampler ar --prompt_file prompts.txt
 
---checkpoint takes a training out_dir (its hf/ export is used) or any Hugging Face model directory. Prompts are
-wrapped in the tokenizer's chat format (the user turn + the assistant header) unless --raw.
+--checkpoint takes a training out_dir (its hf/ export is used), a file in one (ckpt.pt) or any Hugging Face model
+directory. Prompts are wrapped in the tokenizer's chat format (the user turn + the assistant header) unless --raw.
 
 Each sampler is a plain function with one shape of signature,
     sample_<name>(model, x, *, prompt_mask, gen_length, steps, block_length, temperature, ..., mask_id, eos_id,
                   generator, stats=None, callback=None) -> LongTensor (B, P + gen_length)
 where x (B, P) holds the prompts LEFT-padded to a common length P and prompt_mask (B, P) marks the real tokens.
 Left padding keeps every row's canvas at the same positions; position ids count real tokens only and pad keys are
-masked, so a padded row computes what it would alone. SAMPLERS maps --sampler names to them. `stats` (a dict or
-None) gets stats['nfe'] += 1 per model forward (a batched forward is one NFE, a cached partial forward too) and
-stats['row_nfe'] += the rows it carried (llada drops finished rows from its batch);
-`callback(x, changed)` (or None) sees the canvas (B, T) and the positions (B, T) bool changed by every step
-(--show uses it). Inner loops are batch-vectorised; the only host syncs are one per step where a step can end a
-block or the run early (threshold, early stop, editing), and one per block for infill.
+masked, so a padded row computes what it would alone. `stats` (a dict or None) gets stats['nfe'] += 1 per model
+forward (a batched forward is one NFE, a cached partial forward too) and stats['row_nfe'] += the rows it carried
+(finished rows leave the batch); a sampler may add counters of its own (see Sampler.report). `callback(x, changed)`
+(or None) sees the canvas (B, T) and the positions (B, T) bool changed by every step (--show uses it). A sampler
+raises ValueError for options it cannot take (main() prints it as one line, exit 2) and FloatingPointError when
+the model's logits are not finite (exit 1). Inner loops are batch-vectorised; host syncs: one per step (the
+non-finite check, and whether a block or row is done), one per block for infill.
+
+A sampler declares everything the command line needs in its @sampler(...) line (the Sampler fields: its preset
+options, the checkpoint families it decodes, its --infill variant, --show, extra --eval statistics); main() reads
+only that, so a new sampler is one function and one decorator. The sampling primitives (Gumbel noise, the
+categorical sampler, the transfer schedule, top-k) are in kernels.py; the commit rules (propose, select) here.
 """
 import argparse
+import collections
+import functools
+import glob
 import json
+import math
 import os
 import shutil
 import sys
 import time
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -35,33 +46,86 @@ import hf
 import kernels
 
 # -----------------------------------------------------------------------------
-# primitives
+# the registry: what each sampler declares
 
-def add_gumbel_noise(logits, temperature, generator=None):
-    """Gumbel-max in float64: argmax(logits/T + Gumbel) ~ softmax(logits/T). T=0 returns logits (greedy).
-    float64 on purpose: low-precision Gumbel noise degrades generation quality (arXiv 2409.02908)."""
-    if temperature == 0:
-        return logits
-    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-    return logits.double() / temperature + gumbel
+class Sampler(NamedTuple):
+    """One --sampler: its function and what it declares. Calling it calls the function."""
+    name: str
+    fn: Callable
+    preset: dict  # its options and their defaults; the only options the command line may give it
+    families: tuple  # the meta.json 'family' values it decodes (others need --force)
+    from_meta: tuple = ('gen_length', 'block_length')  # options a checkpoint of those families sets (and every
+    #                                                    preset option when meta.json names this sampler)
+    infill: 'Sampler' = None  # its --infill variant (a function over prompts with [MASK]s in them), or None
+    show: bool = True  # it takes callback= (--show)
+    report: Callable = None  # summed stats -> {'field': value}: extra --eval fields after the common ones
 
-
-def num_transfer_tokens(n_masked, steps):
-    """LLaDA Eq. (8) schedule: spread each row's n masked tokens evenly over `steps`, the remainder on the earliest
-    steps. n_masked (B,) long -> (B, steps) long."""
-    base = n_masked[:, None] // steps  # (B, 1)
-    extra = (torch.arange(steps, device=n_masked.device)[None, :] < (n_masked[:, None] % steps)).long()
-    return base + extra  # (B, steps)
+    def __call__(self, *args, **kw):
+        return self.fn(*args, **kw)
 
 
-def topk_mask(conf, k):
-    """Boolean (B, N) mask of each row's k[b] highest `conf` entries, without a per-row Python loop."""
-    order = conf.argsort(dim=1, descending=True, stable=True)  # (B, N)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(conf.shape[1], device=conf.device).expand_as(order))
-    return rank < k[:, None]
+SAMPLERS = {}  # --sampler name -> Sampler, in registration order
 
+
+def sampler(name, **declared):
+    """Decorator: register the function as SAMPLERS[name], with the Sampler fields it declares."""
+    def register(fn):
+        SAMPLERS[name] = Sampler(name, fn, **declared)
+        return fn
+    return register
+
+
+def infill_of(name, **declared):
+    """Decorator: register the function as the --infill variant of sampler `name` (same families)."""
+    def register(fn):
+        s = SAMPLERS[name]
+        SAMPLERS[name] = s._replace(infill=Sampler(f'{name} --infill', fn, families=s.families, from_meta=(),
+                                                   **declared))
+        return fn
+    return register
+
+
+OPTIONS = {  # every sampler option the command line takes: (type, help). A sampler's preset says which it takes.
+    'gen_length': (int, "tokens to generate (a checkpoint's meta.json overrides the preset lengths)"),
+    'steps': (int, 'denoising steps: in total for llada and infill, per block for llada2'),
+    'block_length': (int, 'semi-autoregressive block length (infill: 0 = the whole prompt)'),
+    'temperature': (float, 'sampling temperature, 0 = greedy'),
+    'remasking': (str, "which masked positions to commit: 'low_confidence' or 'random'"),
+    'threshold': (float, 'parallel decoding: also commit every masked position with confidence >= t (llada: '
+                         '0 = off) or > t (llada2), in [0, 1]'),
+    'early_stop': (bool, 'a row is done once it has committed EOS with nothing masked before it'),
+    'cache': (str, "Fast-dLLM KV cache: 'none', 'prefix' or 'dual' (approximate)"),
+    'editing_threshold': (float, 'T2T editing threshold (default off; 0.0 = edit whenever the argmax changes)'),
+    'max_post_steps': (int, 'post-edit steps per block'),
+}
+
+
+def need(ok, msg):
+    """A sampler's option check: ValueError(msg) unless ok."""
+    if not ok:
+        raise ValueError(msg)
+
+
+def check_common(temperature, mask_id=None, threshold=None, remasking='low_confidence'):
+    """The checks the samplers share: temperature, the mask id (None: not used), threshold, remasking."""
+    need(temperature >= 0, f'temperature must be >= 0, got {temperature}')
+    need(mask_id is None or mask_id >= 0, 'the checkpoint has no mask token id (meta.json mask_id / the tokenizer)')
+    need(threshold is None or 0 <= threshold <= 1, f'threshold must be in [0, 1], got {threshold}')
+    need(remasking in ('low_confidence', 'random'),
+         f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
+    need(not threshold or remasking == 'low_confidence', 'threshold decoding needs remasking=low_confidence')
+
+
+def check_blocks(gen_length, block_length, steps=None):
+    """Semi-AR blocks: the lengths are >= 1, the blocks tile gen_length, and (steps given) split the steps evenly."""
+    need(min(gen_length, block_length, 1 if steps is None else steps) >= 1,
+         f'gen_length, block_length and steps must be >= 1, got {gen_length}, {block_length}, {steps}')
+    need(gen_length % block_length == 0, f'gen_length={gen_length} is not a multiple of block_length={block_length}')
+    n_blocks = gen_length // block_length
+    need(steps is None or steps % n_blocks == 0, f'steps={steps} is not divisible by the number of blocks {n_blocks}')
+
+# -----------------------------------------------------------------------------
+# shared pieces: prompts, the commit rules, row retirement, model calls
 
 def pad_prompts(prompts, pad_id):
     """Left-pad lists of token ids -> x (B, P) long, prompt_mask (B, P) bool."""
@@ -75,25 +139,33 @@ def pad_prompts(prompts, pad_id):
     return x, mask
 
 
+def check_finite(t):
+    """FloatingPointError unless t is finite (one host sync; t is small: a value per position, not (B, N, V))."""
+    if not math.isfinite(float(t.sum())):
+        raise FloatingPointError('the model produced non-finite logits (NaN/inf): stopped decoding')
+
+
 def propose(logits, temperature, remasking, generator, mask_id):
     """One denoising proposal: x0 = argmax(logits + Gumbel/T) (float64) and its confidence, both (B, N). [MASK] is
     never an answer (its logit is -inf, MDLM's SUBS parameterisation). 'low_confidence': the softmax probability
-    of x0 under the un-tempered logits (LLaDA, Fast-dLLM); 'random': U[0,1)."""
+    of x0 under the un-tempered logits (LLaDA, Fast-dLLM); 'random': U[0,1). A NaN or inf logit makes its row's
+    softmax NaN, so the probabilities also check the logits (FloatingPointError)."""
     logits[..., mask_id] = -torch.inf
-    x0 = add_gumbel_noise(logits, temperature, generator).argmax(-1)  # (B, N)
+    x0 = kernels.add_gumbel_noise(logits, temperature, generator).argmax(-1)  # (B, N)
+    p = torch.softmax(logits.double(), dim=-1).gather(-1, x0[..., None])[..., 0]  # (B, N) float64
+    check_finite(p)
     if remasking == 'low_confidence':
-        conf = torch.softmax(logits.double(), dim=-1).gather(-1, x0[..., None])[..., 0]  # (B, N) float64
-    else:
-        conf = torch.rand(x0.shape, dtype=torch.float64, device=x0.device, generator=generator)
-    return x0, conf
+        return x0, p
+    return x0, torch.rand(x0.shape, dtype=torch.float64, device=x0.device, generator=generator)
 
 
 def select(conf, cand, k, threshold=None, strict=False):
-    """Positions to commit, (B, N) bool: each row's k[b] most confident candidates, plus (threshold not None) every
-    candidate with conf >= threshold (> if strict). With k == 1 this is Fast-dLLM's rule (top-1 always, the rest
-    above the threshold); with k = a schedule it is diffusers' LLaDA2 rule (all above, at least the quota)."""
+    """Positions to commit, (B, N) bool: each row's k most confident candidates (k an int, or (B,) per row), plus
+    (threshold not None) every candidate with conf >= threshold (> if strict). With k == 1 this is Fast-dLLM's rule
+    (top-1 always, the rest above the threshold); with k = a schedule it is diffusers' LLaDA2 rule (all above, at
+    least the quota)."""
     conf = torch.where(cand, conf, -torch.inf)  # (B, N)
-    commit = topk_mask(conf, k) & cand
+    commit = kernels.topk_mask(conf, k) & cand
     if threshold is not None:
         commit |= cand & ((conf > threshold) if strict else (conf >= threshold))
     return commit
@@ -108,29 +180,58 @@ def eos_finished(gen, mask_id, eos_id):
     return (first < G) & ~((gen == mask_id) & (idx < first[:, None])).any(1)
 
 
-def retire(fin, out, rows, x, P, mask_id, eos_id):
-    """Rows of x marked by fin (B,) bool (on the host) are done: their remaining [MASK]s after the prompt become EOS
-    and they are written into the full canvas `out` at `rows` (B,), x's row indices in it. -> the (B',) indices of
-    x's rows still decoding (on x's device), for take()."""
-    done, keep = (m.nonzero()[:, 0].to(x.device) for m in (fin, ~fin))  # (B_done,), (B',)
-    x[done, P:] = torch.where(x[done, P:] == mask_id, eos_id, x[done, P:])
-    out[rows[done]] = x[done]
-    return keep
+class Rows:
+    """Row retirement: the rows of a batch still decoding and ALL their per-row state, the KV cache included.
 
+    A sampler keeps its canvas (rows.x, (B', T)) and every other per-row tensor (dim 0 = row) or KV cache as an
+    attribute (rows.pos = ..., rows.kv = ...). An assignment must have one entry per row still decoding (checked),
+    and retire() cuts every attribute to the rows that stay (a cache with hf.keep_rows), so no piece of state can
+    be forgotten and left misaligned. Finished rows are written into rows.out, the full (B, T) canvas that done()
+    returns; rows.idx (B',) are the rows of out that rows.x holds, rows.n = B'. Nothing else belongs in the
+    attributes."""
 
-def report(callback, out, rows, x, commit, lo):
-    """callback(full canvas (B, T), changed (B, T) bool) for a step that committed `commit` (B', n) at [lo, lo + n)
-    of x's rows (B', T), which sit at `rows` of `out`."""
-    if x is not out:
-        out[rows] = x
-    changed = torch.zeros_like(out, dtype=torch.bool)
-    changed[rows, lo:lo + commit.shape[1]] = commit
-    callback(out, changed)
+    def __init__(self, x, P, mask_id=-1, eos_id=-1, **state):
+        vars(self).update(out=x, idx=torch.arange(x.shape[0], device=x.device), n=x.shape[0], P=P, mask_id=mask_id,
+                          eos_id=eos_id, per_row=[])
+        for k, v in {'x': x, **state}.items():
+            setattr(self, k, v)
 
+    def __setattr__(self, name, value):  # every assignment is per-row state (reads are plain attribute reads)
+        if name not in self.per_row:
+            if name in vars(self) or hasattr(Rows, name):
+                raise AttributeError(f'Rows.{name} is taken (not per-row state)')
+            self.per_row.append(name)
+        if torch.is_tensor(value) and value.shape[0] != self.n:
+            raise ValueError(f'Rows.{name} has {value.shape[0]} rows, but {self.n} are decoding')
+        vars(self)[name] = value
 
-def take(keep, *tensors):
-    """The rows `keep` of each per-row tensor (None stays None)."""
-    return [None if t is None else t[keep] for t in tensors]
+    def retire(self, fin):
+        """The rows marked by fin (B',) bool (on the host) are done: their [MASK]s after the prompt become EOS, they
+        are written into out, and every per-row attribute drops them. -> the number of rows still decoding."""
+        x, P = self.x, self.P
+        done, keep = (m.nonzero()[:, 0].to(x.device) for m in (fin, ~fin))  # (B_done,), (B',)
+        x[done, P:] = torch.where(x[done, P:] == self.mask_id, self.eos_id, x[done, P:])
+        self.out[self.idx[done]] = x[done]
+        state = vars(self)
+        state.update(idx=self.idx[keep], n=len(keep))
+        for k in self.per_row:
+            v = state[k]
+            state[k] = None if v is None else v[keep] if torch.is_tensor(v) else hf.keep_rows(v, keep)
+        return self.n
+
+    def report(self, callback, commit, lo):
+        """callback(full canvas (B, T), changed (B, T) bool) for a step that committed `commit` (B', n) at
+        [lo, lo + n) of the rows still decoding."""
+        self.done()
+        changed = torch.zeros_like(self.out, dtype=torch.bool)
+        changed[self.idx, lo:lo + commit.shape[1]] = commit
+        callback(self.out, changed)
+
+    def done(self):
+        """The full canvas with the rows still decoding written in (x became a copy when rows first retired)."""
+        if self.x is not self.out:
+            self.out[self.idx] = self.x
+        return self.out
 
 
 def _count(stats, rows):
@@ -139,8 +240,6 @@ def _count(stats, rows):
         stats['nfe'] = stats.get('nfe', 0) + 1
         stats['row_nfe'] = stats.get('row_nfe', 0) + rows
 
-# -----------------------------------------------------------------------------
-# model calls
 
 def query_mask(key_valid, Q, causal=False):
     """(B, 1, Q, K) bool attention mask (True = attend) built with kernels: the Q queries are the LAST Q of the K
@@ -156,31 +255,33 @@ def forward_logits(model, x, key_valid, *, causal, keep=0):
     real tokens (left padding is masked out of the keys, positions count real tokens only)."""
     pad = not bool(key_valid.all())
     return hf.forward(model, x, mask=query_mask(key_valid, x.shape[1], causal) if pad else None,
-                         pos=(key_valid.long().cumsum(1) - 1).clamp_min(0), keep=keep)
+                      pos=(key_valid.long().cumsum(1) - 1).clamp_min(0), keep=keep)
 
 
-def make_canvas(x, prompt_mask, gen_length, mask_id):
-    """[prompt | MASK x gen_length] -> canvas (B, T), key_valid (B, T), position ids (B, T) counting real tokens,
+def make_canvas(x, prompt_mask, gen_length, fill):
+    """[prompt | fill x gen_length] -> canvas (B, T), key_valid (B, T), position ids (B, T) counting real tokens,
     and the bidirectional mask (B, 1, T, T) or None when no row is padded (one host sync per sampler call)."""
     B, P = x.shape
-    prompt_mask = torch.ones_like(x, dtype=torch.bool) if prompt_mask is None else prompt_mask.to(x.device)
-    x = torch.cat([x, torch.full((B, gen_length), mask_id, dtype=torch.long, device=x.device)], dim=1)  # (B, T)
-    key_valid = torch.cat([prompt_mask, torch.ones(B, gen_length, dtype=torch.bool, device=x.device)], dim=1)
+    x = torch.cat([x, x.new_full((B, gen_length), fill)], dim=1)  # (B, T)
+    if prompt_mask is None or bool(prompt_mask.all()):  # no padding: plain positions, no mask
+        return x, torch.ones_like(x, dtype=torch.bool), torch.arange(x.shape[1], device=x.device).expand(B, -1), None
+    key_valid = torch.cat([prompt_mask.to(x.device), x.new_ones((B, gen_length), dtype=torch.bool)], dim=1)
     pos = (key_valid.long().cumsum(1) - 1).clamp_min(0)  # (B, T)
-    attn = None if bool(prompt_mask.all()) else query_mask(key_valid, x.shape[1])
-    return x, key_valid, pos, attn
+    return x, key_valid, pos, query_mask(key_valid, x.shape[1])
 
+
+@functools.lru_cache(maxsize=64)
+def even_schedule(n, steps, at_least=0):
+    """The LLaDA Eq. (8) counts for one block of n masks over `steps` steps, as host ints (every block of a canvas
+    starts all-masked, so one list serves every row and k needs no sync): max(n_k, at_least) per step, cached."""
+    return tuple(max(k, at_least) for k in kernels.num_transfer_tokens(torch.tensor([n]), steps)[0].tolist())
 
 # -----------------------------------------------------------------------------
 # samplers
 
-def _check_blocks(gen_length, block_length, steps=None):
-    assert gen_length % block_length == 0, f'gen_length={gen_length} must be a multiple of block_length={block_length}'
-    if steps is not None:
-        n_blocks = gen_length // block_length
-        assert steps % n_blocks == 0, f'steps={steps} must be divisible by the number of blocks {n_blocks}'
-
-
+@sampler('llada', families=('llada',),
+         preset=dict(gen_length=128, steps=128, block_length=128, temperature=0.0, remasking='low_confidence',
+                     threshold=None, early_stop=False, cache='none'))
 @torch.no_grad()
 def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block_length=128, temperature=0.0,
                  remasking='low_confidence', threshold=None, early_stop=False, cache='none', mask_id, eos_id=-1,
@@ -190,7 +291,7 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
     A [MASK] canvas of gen_length after the prompt, decoded in gen_length/block_length semi-autoregressive blocks
     with steps/n_blocks steps each. Every step proposes x0 = argmax(logits + Gumbel/T) (float64) at the masked
     positions of the current block and commits
-      threshold None or 0: the n_k most confident ones, n_k from the even schedule (num_transfer_tokens);
+      threshold None or 0: the n_k most confident ones, n_k from the even schedule (kernels.num_transfer_tokens);
       threshold t: the max(n_k, 1) most confident plus every other one with confidence >= t (Fast-dLLM §6.1; with
                    steps == gen_length, n_k = 1: top-1 always). A block ends once it is full, so NFE <= steps.
     remasking: 'low_confidence' (softmax probability of x0) or 'random' (U[0,1), no threshold).
@@ -199,8 +300,8 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
       at temperature > 0 or with random remasking stays reproducible under a fixed generator, but draws its noise
       for the rows still in the batch, so it differs from the run without early stop.)
     Row retirement (threshold or early_stop): a row whose response is final (the last block full, or done by
-      early stop) leaves the batch, so later forwards cost only the rows still decoding (as a server drops finished
-      sequences); the run ends when no row is left. A greedy row decodes what it would alone either way.
+      early stop) leaves the batch (Rows), so later forwards cost only the rows still decoding (as a server drops
+      finished sequences); the run ends when no row is left. A greedy row decodes what it would alone either way.
     cache: 'none' (a full forward every step); 'prefix' (each block's first step is a full forward that refreshes
       the KV of every position; later steps forward only x[block_start:] and reuse the KV of positions
       < block_start) or 'dual' (later steps forward only the block and also reuse the KV of the suffix).
@@ -210,72 +311,109 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
     stats: dict, stats['nfe'] += 1 per forward, stats['row_nfe'] += its rows.
     callback(x (B, T), changed (B, T) bool) after every step.
     Returns (B, P + gen_length)."""
-    _check_blocks(gen_length, block_length, steps)
-    assert remasking in ('low_confidence', 'random'), f'unknown remasking {remasking!r}'
-    assert cache in ('none', 'prefix', 'dual'), f"cache must be 'none', 'prefix' or 'dual', got {cache!r}"
+    check_blocks(gen_length, block_length, steps)
+    check_common(temperature, mask_id, threshold, remasking)
+    need(cache in ('none', 'prefix', 'dual'), f"cache must be 'none', 'prefix' or 'dual', got {cache!r}")
     threshold = threshold or None  # 0 = off
-    assert threshold is None or remasking == 'low_confidence', 'threshold decoding needs remasking=low_confidence'
-    n_blocks, steps_per_block, bl = gen_length // block_length, steps // (gen_length // block_length), block_length
+    n_blocks, bl = gen_length // block_length, block_length
     B, P = x.shape
     x, key_valid, pos, attn = make_canvas(x, prompt_mask, gen_length, mask_id)  # (B, T) each, attn (B,1,T,T)|None
     T = x.shape[1]
-    out, rows = x, torch.arange(B, device=x.device)  # the full canvas; the rows of it that x (still) holds
+    r = Rows(x, P, mask_id, eos_id, key_valid=key_valid, pos=pos, attn=attn, kv=None, qmask=None)
+    schedule = even_schedule(bl, steps // n_blocks, at_least=0 if threshold is None else 1)  # n_k per step
     eos_stop = early_stop and eos_id >= 0
-    kv = qmask = None
     for nb in range(n_blocks):
         lo, hi = P + nb * bl, P + (nb + 1) * bl
-        schedule = num_transfer_tokens((x[:, lo:hi] == mask_id).sum(1), steps_per_block)  # (B, steps_per_block)
-        if threshold is not None:
-            schedule = schedule.clamp_min(1)
-        for i in range(steps_per_block):
+        for i, k in enumerate(schedule):
             if cache == 'none' or i == 0:  # full forward (with a cache: also the block's KV refresh)
-                kv = None if cache == 'none' else hf.new_cache()
-                logits = hf.forward(model, x, mask=attn, pos=pos, keep=T - lo, cache=kv)[:, :bl]  # (B, bl, V)
+                if cache != 'none':
+                    r.kv = hf.new_cache()
+                logits = hf.forward(model, r.x, mask=r.attn, pos=r.pos, keep=T - lo, cache=r.kv)[:, :bl]  # (B,bl,V)
                 if cache == 'prefix':
-                    hf.crop(kv, lo - T)  # keep positions < lo
-                    qmask = query_mask(key_valid, T - lo)  # (B, 1, T - lo, T): keys in canvas order
+                    hf.crop(r.kv, lo - T)  # keep positions < lo
+                    r.qmask = query_mask(r.key_valid, T - lo)  # (B, 1, T - lo, T): keys in canvas order
                 elif cache == 'dual':
-                    kv = hf.drop_span(kv, lo, hi)  # positions [0, lo) + [hi, T)
-                    order = torch.cat([key_valid[:, :lo], key_valid[:, hi:], key_valid[:, lo:hi]], 1)  # cache order
-                    qmask = query_mask(order, bl)  # (B, 1, bl, T)
+                    r.kv = hf.drop_span(r.kv, lo, hi)  # positions [0, lo) + [hi, T)
+                    kv_order = torch.cat([r.key_valid[:, :lo], r.key_valid[:, hi:], r.key_valid[:, lo:hi]], 1)
+                    r.qmask = query_mask(kv_order, bl)  # (B, 1, bl, T)
             elif cache == 'prefix':  # forward x[lo:] against the stale prefix KV, then drop what it appended
-                logits = hf.forward(model, x[:, lo:], mask=qmask, pos=pos[:, lo:], keep=T - lo, cache=kv)[:, :bl]
-                hf.crop(kv, lo - T)
+                logits = hf.forward(model, r.x[:, lo:], mask=r.qmask, pos=r.pos[:, lo:], keep=T - lo, cache=r.kv)
+                logits = logits[:, :bl]
+                hf.crop(r.kv, lo - T)
             else:  # dual: forward the block only against the stale prefix + suffix KV
-                logits = hf.forward(model, x[:, lo:hi], mask=qmask, pos=pos[:, lo:hi], cache=kv)  # (B, bl, V)
-                hf.crop(kv, -bl)
-            _count(stats, x.shape[0])
+                logits = hf.forward(model, r.x[:, lo:hi], mask=r.qmask, pos=r.pos[:, lo:hi], cache=r.kv)  # (B,bl,V)
+                hf.crop(r.kv, -bl)
+            _count(stats, r.n)
             x0, conf = propose(logits, temperature, remasking, generator, mask_id)  # (B, bl) each
-            commit = select(conf, x[:, lo:hi] == mask_id, schedule[:, i], threshold)  # (B, bl)
-            x[:, lo:hi] = torch.where(commit, x0, x[:, lo:hi])
+            blk = r.x[:, lo:hi]
+            commit = select(conf, blk == mask_id, k, threshold)  # (B, bl)
+            r.x[:, lo:hi] = torch.where(commit, x0, blk)
             if callback is not None:
-                report(callback, out, rows, x, commit, lo)
+                r.report(callback, commit, lo)
             if threshold is None and not eos_stop:
-                continue  # the fixed schedule: no host sync, every row runs every step
-            # one host sync per step. A row is done once its response is final: the last block is full, or (early
-            # stop) it has an EOS with nothing masked before it. Done rows leave the batch (their masks become
-            # EOS), so later forwards only pay for the rows still decoding; each row decodes what it would alone.
-            full = (x[:, lo:hi] != mask_id).all(1)  # (B,) the row's block is full
+                continue  # the fixed schedule: every row runs every step
+            # A row is done once its response is final: the last block is full, or (early stop) it has an EOS with
+            # nothing masked before it. Done rows leave the batch (their masks become EOS), so later forwards only
+            # pay for the rows still decoding; each row decodes what it would alone.
+            full = (r.x[:, lo:hi] != mask_id).all(1)  # (B,) the row's block is full
             fin = full & (nb == n_blocks - 1)  # (B,) the row's response is final
             if eos_stop:
-                fin |= eos_finished(x[:, P:], mask_id, eos_id)
+                fin |= eos_finished(r.x[:, P:], mask_id, eos_id)
             full, fin = torch.stack([full, fin]).cpu()
             if fin.any():
-                keep = retire(fin, out, rows, x, P, mask_id, eos_id)  # (B',) the rows still decoding
-                if keep.numel() == 0:
-                    return out
-                x, key_valid, pos, schedule, rows, attn, qmask = take(keep, x, key_valid, pos, schedule, rows, attn,
-                                                                      qmask)
-                if kv is not None:
-                    hf.keep_rows(kv, keep)
+                if r.retire(fin) == 0:
+                    return r.out
                 full = full[~fin]
             if threshold is not None and full.all():
                 break  # every remaining row's block is full
-    if x is not out:  # x became a copy when the first rows retired
-        out[rows] = x
-    return out
+    return r.done()
 
 
+@infill_of('llada', preset=dict(steps=128, block_length=0, temperature=0.0, remasking='low_confidence',
+                                threshold=None))
+@torch.no_grad()
+def infill_llada(model, x, *, prompt_mask=None, steps=128, block_length=0, temperature=0.0,
+                 remasking='low_confidence', threshold=None, mask_id, eos_id=-1, generator=None, stats=None,
+                 callback=None):
+    """Infill (NeMo DLLMSampler.infill, reference §10.6): fill the [MASK] tokens already inside x (B, T), keep every
+    other token. Blocks of block_length (0 = the whole row) tile each row from its first real token (row-relative,
+    so left padding does not move them), semi-autoregressively; ceil(steps / n_blocks) steps per block, the block's
+    masks spread evenly over them (steps that would commit nothing in any row are skipped: one sync per block);
+    commit rule as sample_llada (schedule, or threshold). No EOS logic, no new tokens: returns (B, T)."""
+    need(steps >= 1 and block_length >= 0, f'steps must be >= 1 and block_length >= 0, got {steps}, {block_length}')
+    check_common(temperature, mask_id, threshold, remasking)
+    threshold = threshold or None
+    B, T = x.shape
+    key_valid = torch.ones_like(x, dtype=torch.bool) if prompt_mask is None else prompt_mask.to(x.device)
+    pos = (key_valid.long().cumsum(1) - 1).clamp_min(0)  # (B, T) row-relative positions
+    attn = None if bool(key_valid.all()) else query_mask(key_valid, T)
+    bl = block_length or T
+    n_blocks = -(-T // bl)
+    steps_per_block = max(1, -(-steps // n_blocks))
+    x = x.clone()
+    for k in range(n_blocks):
+        in_block = key_valid & (pos // bl == k)  # (B, T)
+        n = ((x == mask_id) & in_block).sum(1)  # (B,) masks differ per row here: a per-row schedule
+        schedule = kernels.num_transfer_tokens(n, steps_per_block)  # (B, steps_per_block)
+        if threshold is not None:
+            schedule = schedule.clamp_min(1)
+        for i in range(min(steps_per_block, int(n.max()))):
+            cand = (x == mask_id) & in_block  # (B, T)
+            if threshold is not None and i > 0 and not bool(cand.any()):
+                break
+            logits = hf.forward(model, x, mask=attn, pos=pos)  # (B, T, V)
+            _count(stats, x.shape[0])
+            x0, conf = propose(logits, temperature, remasking, generator, mask_id)  # (B, T)
+            commit = select(conf, cand, schedule[:, i], threshold)
+            x = torch.where(commit, x0, x)
+            if callback is not None:
+                callback(x, commit)
+    return x
+
+
+@sampler('llada2', families=('llada',),
+         preset=dict(gen_length=128, steps=32, block_length=32, temperature=0.0, threshold=0.5,
+                     editing_threshold=None, max_post_steps=16, early_stop=True))
 @torch.no_grad()
 def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block_length=32, temperature=0.0,
                   threshold=0.5, editing_threshold=None, max_post_steps=16, early_stop=True, mask_id, eos_id=-1,
@@ -300,148 +438,97 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
     With editing off, greedy, one block (gen_length == block_length) and no confidence exactly equal to the
     threshold, this is sample_llada(threshold=t, steps=steps, early_stop) with '>' for '>='.
     Returns (B, P + gen_length)."""
-    _check_blocks(gen_length, block_length)
+    need(steps >= 1, f'steps must be >= 1, got {steps}')
+    need(steps >= 1, f"steps must be >= 1, got {steps}")
+    check_common(temperature, mask_id, threshold)
+    need(max_post_steps >= 0, f'max_post_steps must be >= 0, got {max_post_steps}')
+    need(editing_threshold is None or 0 <= editing_threshold <= 1,
+         f'editing_threshold must be in [0, 1] (or None: off), got {editing_threshold}')
     editing = editing_threshold is not None
     B, P = x.shape
     x, key_valid, pos, attn = make_canvas(x, prompt_mask, gen_length, mask_id)
-    T, bl, n_blocks = x.shape[1], block_length, gen_length // block_length
-    out, rows = x, torch.arange(B, device=x.device)  # the full canvas; the rows of it that x (still) holds
+    bl, n_blocks = block_length, gen_length // block_length
+    r = Rows(x, P, mask_id, eos_id, pos=pos, attn=attn, active=None, post=None)
     S = min(steps, bl)
-    quota = num_transfer_tokens(torch.full((B,), bl, device=x.device), S)  # (B, S)
+    quota = even_schedule(bl, S)  # n_k per mask-filling step
     for nb in range(n_blocks):
         lo, hi = P + nb * bl, P + (nb + 1) * bl
-        active = torch.full((x.shape[0],), editing, dtype=torch.bool, device=x.device)  # (B,) the row may still edit
-        post = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)  # (B,) post-edit steps taken
+        r.active = torch.full((r.n,), editing, dtype=torch.bool, device=x.device)  # (B,) the row may edit
+        r.post = torch.zeros(r.n, dtype=torch.long, device=x.device)  # (B,) post-edit steps taken
         for i in range(S + (max_post_steps if editing else 0)):
-            logits = hf.forward(model, x[:, :hi], mask=None if attn is None else attn[..., :hi, :hi],
-                                   pos=pos[:, :hi], keep=bl)  # (B, bl, V)
-            _count(stats, x.shape[0])
+            logits = hf.forward(model, r.x[:, :hi], mask=None if r.attn is None else r.attn[..., :hi, :hi],
+                                pos=r.pos[:, :hi], keep=bl)  # (B, bl, V)
+            _count(stats, r.n)
             x0, p = propose(logits, temperature, 'low_confidence', generator, mask_id)  # (B, bl) each
-            blk = x[:, lo:hi]  # (B, bl)
+            blk = r.x[:, lo:hi]  # (B, bl)
             cand = blk == mask_id
-            commit = select(p, cand, quota[:, min(i, S - 1)], threshold, strict=True)  # M2T
+            commit = select(p, cand, quota[min(i, S - 1)], threshold, strict=True)  # M2T
             if editing:
                 in_post = ~cand.any(1)  # (B,) this step is a post-edit step of the row
-                edit = active[:, None] & ~cand & (x0 != blk) & (p > editing_threshold)  # T2T
-                post += in_post.long()
-                active &= ~(in_post & ~edit.any(1)) & (post < max_post_steps)  # settled, or out of post steps
+                edit = r.active[:, None] & ~cand & (x0 != blk) & (p > editing_threshold)  # T2T
+                r.post += in_post.long()
+                r.active &= ~(in_post & ~edit.any(1)) & (r.post < max_post_steps)  # settled, or out of post steps
                 commit |= edit
-            x[:, lo:hi] = torch.where(commit, x0, blk)
+            r.x[:, lo:hi] = torch.where(commit, x0, blk)
             if callback is not None:
-                report(callback, out, rows, x, commit, lo)
-            # one host sync per step. A row is done (and leaves the batch, as in sample_llada) once its last block
-            # is settled, or (early stop) it has an EOS with nothing masked before it, and with editing its block
-            # is settled too (an edit could still change the response)
-            settled = (x[:, lo:hi] != mask_id).all(1) & ~active  # (B,) nothing left to do in this block
+                r.report(callback, commit, lo)
+            # A row is done (and leaves the batch, as in sample_llada) once its last block is settled, or (early
+            # stop) it has an EOS with nothing masked before it, and with editing its block is settled too (an edit
+            # could still change the response)
+            settled = (r.x[:, lo:hi] != mask_id).all(1) & ~r.active  # (B,) nothing left to do in this block
             fin = settled & (nb == n_blocks - 1)
             if early_stop and eos_id >= 0:
-                eos = eos_finished(x[:, P:hi], mask_id, eos_id)  # (B,)
+                eos = eos_finished(r.x[:, P:hi], mask_id, eos_id)  # (B,)
                 fin |= eos & settled if editing else eos
             settled, fin = torch.stack([settled, fin]).cpu()
             if fin.any():
-                keep = retire(fin, out, rows, x, P, mask_id, eos_id)  # (B',) the rows still decoding
-                if keep.numel() == 0:
-                    return out
-                x, key_valid, pos, quota, rows, attn, active, post = take(keep, x, key_valid, pos, quota, rows, attn,
-                                                                          active, post)
+                if r.retire(fin) == 0:
+                    return r.out
                 settled = settled[~fin]
             if settled.all():
                 break
-    if x is not out:  # x became a copy when the first rows retired
-        out[rows] = x
-    return out
+    return r.done()
 
 
-@torch.no_grad()
-def infill_llada(model, x, *, prompt_mask=None, steps=128, block_length=0, temperature=0.0,
-                 remasking='low_confidence', threshold=None, mask_id, eos_id=-1, generator=None, stats=None,
-                 callback=None):
-    """Infill (NeMo DLLMSampler.infill, reference §10.6): fill the [MASK] tokens already inside x (B, T), keep every
-    other token. Blocks of block_length (0 = the whole row) tile each row from its first real token (row-relative,
-    so left padding does not move them), semi-autoregressively; ceil(steps / n_blocks) steps per block, the block's
-    masks spread evenly over them (steps that would commit nothing in any row are skipped: one sync per block);
-    commit rule as sample_llada (schedule, or threshold). No EOS logic, no new tokens: returns (B, T)."""
-    threshold = threshold or None
-    B, T = x.shape
-    key_valid = torch.ones_like(x, dtype=torch.bool) if prompt_mask is None else prompt_mask.to(x.device)
-    pos = (key_valid.long().cumsum(1) - 1).clamp_min(0)  # (B, T) row-relative positions
-    attn = None if bool(key_valid.all()) else query_mask(key_valid, T)
-    bl = block_length or T
-    n_blocks = -(-T // bl)
-    steps_per_block = max(1, -(-steps // n_blocks))
-    x = x.clone()
-    for k in range(n_blocks):
-        in_block = key_valid & (pos // bl == k)  # (B, T)
-        n = ((x == mask_id) & in_block).sum(1)  # (B,)
-        schedule = num_transfer_tokens(n, steps_per_block)  # (B, steps_per_block)
-        if threshold is not None:
-            schedule = schedule.clamp_min(1)
-        for i in range(min(steps_per_block, int(n.max()))):
-            cand = (x == mask_id) & in_block  # (B, T)
-            if threshold is not None and i > 0 and not bool(cand.any()):
-                break
-            logits = hf.forward(model, x, mask=attn, pos=pos)  # (B, T, V)
-            _count(stats, x.shape[0])
-            x0, conf = propose(logits, temperature, remasking, generator, mask_id)  # (B, T)
-            commit = select(conf, cand, schedule[:, i], threshold)
-            x = torch.where(commit, x0, x)
-            if callback is not None:
-                callback(x, commit)
-    return x
-
-
+@sampler('ar', families=('ar',), from_meta=('gen_length',), preset=dict(gen_length=128, temperature=0.0))
 @torch.no_grad()
 def sample_ar(model, x, *, prompt_mask=None, gen_length=128, steps=0, block_length=0, temperature=0.0,
               mask_id=-1, eos_id=-1, generator=None, use_cache=True, stop_at_eos=True, stats=None, callback=None):
     """Autoregressive decoding of a causal LM, greedy (T=0) or Gumbel-max at temperature T, with a KV cache
     (use_cache=False recomputes the whole prefix every token: the reference the cached path is tested against).
-    Stops once every row has produced eos_id (one sync per token) unless stop_at_eos=False (always gen_length
-    forwards: FSDP ranks must run the same number). steps/block_length/mask_id are unused (one token per forward,
-    NFE = tokens)."""
+    A row that produced eos_id leaves the batch (Rows: its canvas, positions and KV cache rows go together; its
+    remaining slots are EOS), and the run ends when none is left, unless stop_at_eos=False: then every row runs
+    gen_length forwards (FSDP ranks must run the same number), EOS repeated after the first.
+    steps/block_length/mask_id are unused (one token per forward, NFE = tokens)."""
+    check_common(temperature)
+    need(gen_length >= 1, f'gen_length must be >= 1, got {gen_length}')
     B, P = x.shape
-    valid = torch.ones_like(x, dtype=torch.bool) if prompt_mask is None else prompt_mask.to(x.device)
-    done = torch.zeros(B, dtype=torch.bool, device=x.device)
-    cache = hf.new_cache() if use_cache else None
-    pos = (valid.long().cumsum(1) - 1).clamp_min(0)  # (B, P) positions count real tokens only
-    inp, inp_pos = x, pos
-    for _ in range(gen_length):
+    fill = mask_id if mask_id >= 0 else max(eos_id, 0)  # the slots not generated yet ([MASK]: '_' in --show)
+    x, key_valid, pos, _ = make_canvas(x, prompt_mask, gen_length, fill)  # (B, T) each
+    retire = stop_at_eos and eos_id >= 0
+    r = Rows(x, P, fill, eos_id, key_valid=key_valid, pos=pos, ended=torch.zeros(B, dtype=torch.bool, device=x.device),
+             kv=hf.new_cache() if use_cache else None)
+    for t in range(gen_length):
+        lo, hi = (0, P) if t == 0 else (P + t - 1, P + t)  # the tokens this step feeds (cached: the newest only)
         if use_cache:  # 2-D padding mask over everything cached so far; the model adds causality
-            logits = hf.forward(model, inp, mask=valid.long(), pos=inp_pos, keep=1, cache=cache)[:, -1]  # (B, V)
+            logits = hf.forward(model, r.x[:, lo:hi], mask=r.key_valid[:, :hi].long(), pos=r.pos[:, lo:hi], keep=1,
+                                cache=r.kv)[:, -1]  # (B, V)
         else:
-            logits = forward_logits(model, x, valid, causal=True, keep=1)[:, -1]
-        _count(stats, x.shape[0])
-        nxt = add_gumbel_noise(logits, temperature, generator).argmax(-1)  # (B,)
+            logits = forward_logits(model, r.x[:, :hi], r.key_valid[:, :hi], causal=True, keep=1)[:, -1]
+        _count(stats, r.n)
+        nxt = kernels.add_gumbel_noise(logits, temperature, generator).argmax(-1)  # (B,)
+        check_finite(logits.gather(-1, nxt[:, None]).double())  # a NaN logit wins the argmax; so does +inf
         if eos_id >= 0:
-            nxt = torch.where(done, eos_id, nxt)
-            done |= nxt == eos_id
-        x = torch.cat([x, nxt[:, None]], dim=1)
-        valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=x.device)], dim=1)
-        inp, inp_pos = nxt[:, None], inp_pos[:, -1:] + 1
+            nxt = torch.where(r.ended, eos_id, nxt)
+            r.ended |= nxt == eos_id
+        r.x[:, P + t] = nxt
         if callback is not None:
-            new = torch.zeros_like(x, dtype=torch.bool)  # (B, P + t)
-            new[:, -1] = True
-            callback(x, new)
-        if stop_at_eos and eos_id >= 0 and bool(done.all()):
-            break
-    if x.shape[1] < P + gen_length:  # stopped early: pad with eos to the promised shape
-        x = torch.cat([x, torch.full((B, P + gen_length - x.shape[1]), eos_id, dtype=torch.long, device=x.device)], 1)
-    return x
-
-
-SAMPLERS = {
-    'llada': sample_llada,
-    'llada2': sample_llada2,
-    'ar': sample_ar,
-}
-INFILL = {'llada': infill_llada}  # samplers that support --infill
-INFILL_KEYS = ('steps', 'block_length', 'temperature', 'remasking', 'threshold')  # the options infill takes
-PRESETS = {  # defaults per sampler (NeMo generate.py presets; a checkpoint's meta.json overrides the lengths)
-    'llada': dict(gen_length=128, steps=128, block_length=128, temperature=0.0, threshold=None, early_stop=False,
-                  cache='none', remasking='low_confidence'),
-    'llada2': dict(gen_length=128, steps=32, block_length=32, temperature=0.0, threshold=0.5, editing_threshold=None,
-                   max_post_steps=16, early_stop=True),
-    'ar': dict(gen_length=128, steps=0, block_length=0, temperature=0.0),
-}
+            r.report(callback, torch.ones(r.n, 1, dtype=torch.bool, device=x.device), P + t)
+        if retire:
+            fin = r.ended.cpu()
+            if fin.any() and r.retire(fin) == 0:
+                return r.out
+    return r.done()
 
 
 def generate(model, prompts, *, sampler='llada', pad_id, eos_id=-1, mask_id=-1, generator=None, **kw):
@@ -462,58 +549,83 @@ def generate(model, prompts, *, sampler='llada', pad_id, eos_id=-1, mask_id=-1, 
 # loading
 
 def resolve_checkpoint(path):
-    """A training out_dir (-> its hf/ export) or a Hugging Face model dir; one clear error otherwise."""
+    """A training out_dir (-> its hf/ export), a file in one (ckpt.pt: its directory) or a Hugging Face model dir;
+    one clear error otherwise."""
+    if os.path.isfile(path):  # out-llada/ckpt.pt, .../hf/config.json: the directory it is in
+        path = os.path.dirname(path) or '.'
     if not os.path.isdir(path):
         raise FileNotFoundError(f'checkpoint dir {path!r} does not exist')
     for d in (os.path.join(path, 'hf'), path):
         if os.path.isfile(os.path.join(d, 'config.json')):
             return d
-    raise FileNotFoundError(f'checkpoint dir {path!r} has no config.json (nor hf/config.json)')
+    raise FileNotFoundError(f'checkpoint dir {path!r} has no config.json (nor hf/config.json): expected a training '
+                            f'out_dir or a Hugging Face model dir')
 
 
 def load_checkpoint(path, device='cpu', dtype=torch.float32, trust_remote_code=False):
-    """-> (model in eval mode, tokenizer, meta dict). meta.json (written by the family scripts) carries the special
-    ids and the sampler defaults; a plain HF dir falls back to its tokenizer."""
+    """-> (model in eval mode, tokenizer, meta dict). meta.json (written by the family scripts) carries the family,
+    the special ids and the sampler defaults; a plain HF dir falls back to its tokenizer. Reports the loaded dir and
+    training step on stderr. Bad files (meta.json, truncated or non-finite weights) raise ValueError naming them."""
     d = resolve_checkpoint(path)  # fail fast, before the slow imports
     from data.tokenizer import load_tokenizer
-    model = hf.load_pretrained(d, device, dtype, trust_remote_code)
     meta_path = os.path.join(d, 'meta.json')
+    meta = {'tokenizer': 'hf', 'tokenizer_path': d}
     if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except ValueError as e:
+            raise ValueError(f'{meta_path}: not valid JSON ({e})') from None
         if meta.get('tokenizer') == 'hf':  # the tokenizer files were exported next to the weights
             meta = {**meta, 'tokenizer_path': d}
-    else:
-        meta = {'tokenizer': 'hf', 'tokenizer_path': d}
+    weights = ', '.join(sorted(glob.glob(os.path.join(d, '*.safetensors')) + glob.glob(os.path.join(d, '*.bin'))))
+    try:
+        model = hf.load_pretrained(d, device, dtype, trust_remote_code)
+    except Exception as e:  # a truncated or corrupt weights file: name it, not a traceback
+        raise ValueError(f'cannot load the weights in {weights or d}: {str(e).strip().splitlines()[0]}') from e
+    bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if bad is not None:
+        raise ValueError(f'{weights or d}: non-finite weights (NaN/inf) in {bad}')
     tokenizer = load_tokenizer(meta)
     for k in ('mask_id', 'pad_id', 'eos_id'):
         meta.setdefault(k, getattr(tokenizer, k, -1))
+    print(f"loaded {d} (step {meta.get('step', 'unknown')})", file=sys.stderr)
     return model, tokenizer, meta
 
 
+def default_sampler(meta):
+    """The sampler a checkpoint names in meta.json, else the first that decodes its family, else the first one."""
+    fits = [n for n, s in SAMPLERS.items() if meta.get('family') in s.families]
+    return meta.get('sampler') or (fits + list(SAMPLERS))[0]
+
+
 def sampler_options(sampler, meta, overrides):
-    """PRESETS[sampler], then the checkpoint's meta.json lengths (gen_length and block_length for every masked
-    diffusion sampler on a masked-diffusion checkpoint, steps only for the sampler the checkpoint names: llada2's
-    steps are per block), then the command line (overrides: only the keys that were given)."""
-    opts = dict(PRESETS[sampler])
-    mdlm = ('llada', 'llada2')
-    for k in ('gen_length', 'block_length', 'steps'):
-        same = meta.get('sampler') == sampler
-        if k in meta and (same or (k != 'steps' and sampler in mdlm and meta.get('sampler') in mdlm)):
-            opts[k] = meta[k]
+    """The options of a sampler (a SAMPLERS name or a Sampler): its preset, then the checkpoint's meta.json (the
+    sampler's from_meta options when it decodes the checkpoint's family, e.g. the canvas lengths; every preset
+    option when meta.json names this sampler: llada2's steps are per block, so llada's do not carry over), then
+    the command line (overrides: only the keys that were given)."""
+    s = SAMPLERS[sampler] if isinstance(sampler, str) else sampler
+    same, decodes = meta.get('sampler') == s.name, meta.get('family') in s.families
+    opts = dict(s.preset)
+    opts.update({k: meta[k] for k in s.preset if k in meta and (same or (decodes and k in s.from_meta))})
     opts.update({k: v for k, v in overrides.items() if k in opts})
     return opts
 
+# -----------------------------------------------------------------------------
+# prompts, eval records, --eval, --show
 
-def encode_prompt(tok, text, *, raw, infill_length=0, mask_id=-1):
-    """Token ids of a prompt: raw text, or the user turn + assistant header of the chat format. With infill_length
-    > 0 every literal '[MASK]' becomes infill_length mask tokens and the chat has no assistant header (NeMo infill).
-    The text between spans is encoded piece by piece; the chat wrapper comes from encoding a sentinel."""
+def encode_prompt(tok, prompt, *, raw, infill_length=0, mask_id=-1):
+    """Token ids of a prompt: a user text, or a list of chat messages (an --eval record's turns before the answer).
+    Chat format: the turns + the assistant header; raw: the text (the messages' contents joined by newlines).
+    With infill_length > 0 every literal '[MASK]' becomes infill_length mask tokens and the chat has no assistant
+    header (NeMo infill). The text between spans is encoded piece by piece; the chat wrapper comes from encoding
+    a sentinel."""
+    msgs = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else prompt
     if not infill_length:
-        return tok.encode(text) if raw else tok.encode_chat([{'role': 'user', 'content': text}],
-                                                            add_generation_prompt=True)[0]
+        return tok.encode('\n'.join(m['content'] for m in msgs)) if raw else \
+            tok.encode_chat(msgs, add_generation_prompt=True)[0]
     body = []
-    for i, piece in enumerate(text.split('[MASK]')):
+    for i, piece in enumerate(prompt.split('[MASK]')):
         body += ([mask_id] * infill_length if i else []) + tok.encode(piece)
     if raw:
         return body
@@ -525,27 +637,106 @@ def encode_prompt(tok, text, *, raw, infill_length=0, mask_id=-1):
     return ids[:at] + body + ids[at + len(s):]
 
 
+def check_prompt(ids, gen_length, max_positions, where):
+    """ValueError unless the prompt's canvas fits the model: prompt tokens + gen_length <= its position limit."""
+    if max_positions and len(ids) + gen_length > max_positions:
+        raise ValueError(f'{where}: prompt of {len(ids)} tokens + gen_length {gen_length} exceeds the model\'s '
+                         f'{max_positions} positions')
+
+
+def read_records(path):
+    """Chat JSONL -> [(prompt messages, answer, 'file:line')]: the answer is the last message, which must be the
+    assistant's; the prompt is every turn before it. Records are validated as data/prepare.py does (roles,
+    string contents, a non-empty assistant answer); a bad one raises ValueError 'file:line: reason'."""
+    from data.prepare import read_chat_jsonl
+    records = []
+    for ln, msgs in read_chat_jsonl(path):
+        where = f'{path}:{ln}'
+        if msgs[-1]['role'] != 'assistant':
+            raise ValueError(f"{where}: the last message must be the assistant's answer")
+        if len(msgs) < 2 or not any(m['content'].strip() for m in msgs[:-1]):
+            raise ValueError(f'{where}: empty prompt before the answer')
+        records.append((msgs[:-1], msgs[-1]['content'], where))
+    return records
+
+
+def evaluate(model, tok, meta, records, sampler, opts, *, batch_size=64, raw=False, seed=42, progress=True):
+    """Exact match of `sampler` on read_records() records, decoded batch by batch, with speed accounting.
+    One untimed warm-up call on the first batch (gpt-fast's i = -1 iteration; its outputs are discarded and the
+    generator is re-seeded after it). Returns a dict:
+      accuracy (%), correct, n, nfe (batched forwards, total), nfe_per_prompt (forwards each prompt took part in,
+      averaged: row_nfe / n), tokens_per_forward (response tokens / row_nfe), tok_s (response tokens / wall),
+      wall (s, timed part), extra (the sampler's report() of the summed stats, {} if it has none),
+    where response tokens are the generated tokens before the first EOS. A prompt that does not fit the model
+    raises ValueError naming its record."""
+    from tqdm import tqdm
+    need(batch_size >= 1 and len(records) > 0, f'need batch_size >= 1 and records, got {batch_size}, {len(records)}')
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    prompts = [encode_prompt(tok, q, raw=raw) for q, *_ in records]
+    limit = getattr(model.config, 'max_position_embeddings', 0)
+    for ids, (*_, where) in zip(prompts, records):
+        check_prompt(ids, opts.get('gen_length', 0), limit, where)
+    run = lambda ps, st: generate(model, ps, sampler=sampler, pad_id=meta['pad_id'], eos_id=meta['eos_id'],
+                                  mask_id=meta['mask_id'], generator=gen, stats=st, **opts)
+    gen.manual_seed(seed)
+    run(prompts[:batch_size], {})  # warm-up
+    gen.manual_seed(seed)
+    correct = n_tok = 0
+    totals = collections.Counter()  # every stats counter, summed over the batches
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for s in tqdm(range(0, len(records), batch_size), desc=f'{sampler} eval', unit='batch', disable=not progress):
+        chunk, stats = records[s:s + batch_size], {'nfe': 0, 'row_nfe': 0}
+        outs = run(prompts[s:s + batch_size], stats)
+        correct += sum(tok.decode(o).strip() == a.strip() for o, (_, a, _) in zip(outs, chunk))
+        n_tok += sum(len(o) for o in outs)
+        totals.update(stats)
+    sync()
+    wall = time.perf_counter() - t0
+    n, report = len(records), SAMPLERS[sampler].report
+    return dict(accuracy=100 * correct / n, correct=correct, n=n, nfe=totals['nfe'],
+                nfe_per_prompt=totals['row_nfe'] / n, tokens_per_forward=n_tok / max(totals['row_nfe'], 1),
+                tok_s=n_tok / wall, tokens=n_tok, wall=wall, extra=report(totals) if report else {})
+
+
+def format_eval(name, r):
+    """The one --eval line: the same common fields for every sampler, then the sampler's own statistics."""
+    return (f"{name} | accuracy {r['accuracy']:.2f}% ({r['correct']}/{r['n']}) | NFE {r['nfe']} total, "
+            f"{r['nfe_per_prompt']:.2f}/prompt | tokens/forward {r['tokens_per_forward']:.2f} | "
+            f"generated tok/s {r['tok_s']:.1f} | wall {r['wall']:.2f}s"
+            + ''.join(f' | {k} {v:.2f}' for k, v in r.get('extra', {}).items()))
+
+
 class LiveView:
-    """--show: redraw one row's canvas in place after every step (callback of every sampler). The prompt in plain
-    text, masked positions as a dim '_', tokens committed/edited by the last step bold green on a dark background,
-    the others plain; redrawn with cursor-up + clear-below."""
+    """--show: one row's canvas after every step (callback of every sampler). On a terminal it is redrawn in place
+    (cursor-up + clear-below): the prompt in plain text, masked positions as a dim '_', tokens committed/edited by
+    the last step bold green on a dark background, the others plain. Elsewhere (a pipe, a file) each step is one
+    plain line, no escape codes and no delay."""
     DIM, NEW, OFF = '\x1b[2m', '\x1b[1;32;40m', '\x1b[0m'
 
     def __init__(self, tok, mask_id, start, stream=None, delay=0.0):
         self.tok, self.mask_id, self.start, self.delay = tok, mask_id, start, delay
-        self.stream = stream or sys.stdout
+        self.stream = sys.stdout if stream is None else stream
+        self.tty = self.stream.isatty()
         self.lines, self.step = 0, 0
 
     def render(self, ids, changed):
         out = [self.tok.render(ids[:self.start])]
         for t, c in zip(ids[self.start:], changed[self.start:]):
             s = '_' if t == self.mask_id else self.tok.token_str(t).replace('\n', '\\n')
-            out.append(f'{self.DIM}_{self.OFF}' if t == self.mask_id else f'{self.NEW}{s}{self.OFF}' if c else s)
+            if self.tty:
+                s = f'{self.DIM}_{self.OFF}' if t == self.mask_id else f'{self.NEW}{s}{self.OFF}' if c else s
+            out.append(s)
         return ''.join(out)
 
     def __call__(self, x, changed):
         self.step += 1
         text = f'step {self.step}: ' + self.render(x[0].tolist(), changed[0].tolist())
+        if not self.tty:
+            self.stream.write(text + '\n')
+            return
         width = max(shutil.get_terminal_size().columns, 20)
         plain = len(text) - sum(text.count(c) * len(c) for c in (self.DIM, self.NEW, self.OFF))
         up = f'\x1b[{self.lines}A' if self.lines else ''
@@ -555,84 +746,22 @@ class LiveView:
         if self.delay:
             time.sleep(self.delay)
 
-
-def read_records(path):
-    """Chat JSONL -> [(prompt, answer)]: the first message's content and the last one's."""
-    records = []
-    with open(path) as f:
-        for ln, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    msgs = json.loads(line)['messages']
-                    records.append((msgs[0]['content'], msgs[-1]['content']))
-                except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
-                    raise ValueError(f'{path}:{ln}: not a chat record ({e!r})') from None
-    return records
-
-
-def evaluate(model, tok, meta, records, sampler, opts, *, batch_size=64, raw=False, seed=42, progress=True):
-    """Exact match of `sampler` on [(prompt, answer)] records, decoded batch by batch, with speed accounting.
-    One untimed warm-up call on the first batch (gpt-fast's i = -1 iteration; its outputs are discarded and the
-    generator is re-seeded after it). Returns a dict:
-      accuracy (%), correct, n, nfe (batched forwards, total), nfe_per_prompt (forwards each prompt took part in,
-      averaged: row_nfe / n), tokens_per_forward (response tokens / row_nfe), tok_s (response tokens / wall),
-      wall (s, timed part),
-    where response tokens are the generated tokens before the first EOS."""
-    from tqdm import tqdm
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device)
-    prompts = [encode_prompt(tok, q, raw=raw) for q, _ in records]
-    run = lambda ps, st: generate(model, ps, sampler=sampler, pad_id=meta['pad_id'], eos_id=meta['eos_id'],
-                                  mask_id=meta['mask_id'], generator=gen, stats=st, **opts)
-    gen.manual_seed(seed)
-    run(prompts[:batch_size], {})  # warm-up
-    gen.manual_seed(seed)
-    correct = n_tok = nfe = row_nfe = 0
-    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for s in tqdm(range(0, len(records), batch_size), desc=f'{sampler} eval', unit='batch', disable=not progress):
-        chunk, stats = records[s:s + batch_size], {'nfe': 0, 'row_nfe': 0}
-        outs = run(prompts[s:s + batch_size], stats)
-        correct += sum(tok.decode(o).strip() == a.strip() for o, (_, a) in zip(outs, chunk))
-        n_tok += sum(len(o) for o in outs)
-        nfe, row_nfe = nfe + stats['nfe'], row_nfe + stats['row_nfe']
-    sync()
-    wall = time.perf_counter() - t0
-    n = max(len(records), 1)
-    return dict(accuracy=100 * correct / n, correct=correct, n=len(records), nfe=nfe, nfe_per_prompt=row_nfe / n,
-                tokens_per_forward=n_tok / max(row_nfe, 1), tok_s=n_tok / wall, tokens=n_tok, wall=wall)
-
-
-def format_eval(name, r):
-    """The one --eval line, the same for every sampler."""
-    return (f"{name} | accuracy {r['accuracy']:.2f}% ({r['correct']}/{r['n']}) | NFE {r['nfe']} total, "
-            f"{r['nfe_per_prompt']:.2f}/prompt | tokens/forward {r['tokens_per_forward']:.2f} | "
-            f"generated tok/s {r['tok_s']:.1f} | wall {r['wall']:.2f}s")
-
 # -----------------------------------------------------------------------------
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument('--checkpoint', required=True, help='training out_dir or a Hugging Face model dir')
+    ap.add_argument('--checkpoint', required=True, help='training out_dir (or its ckpt.pt) or a Hugging Face model dir')
     ap.add_argument('--sampler', default='', help=f'one of {", ".join(SAMPLERS)} (default: the checkpoint\'s)')
+    ap.add_argument('--force', action='store_true', help='run a sampler on a checkpoint family it does not decode')
     ap.add_argument('--prompt', action='append', default=[], help='a prompt (repeatable: batched)')
     ap.add_argument('--prompt_file', default='', help='a text file, one prompt per line (blank lines skipped)')
     ap.add_argument('--eval', default='', help='chat JSONL: decode every prompt, report accuracy, NFE and speed')
     ap.add_argument('--n', type=int, default=0, help='with --eval: only the first n records (0 = all)')
     ap.add_argument('--batch_size', type=int, default=64, help='prompts per batch')
-    ap.add_argument('--gen_length', type=int, help='tokens to generate (default: checkpoint, else preset)')
-    ap.add_argument('--steps', type=int, help='denoising steps: in total for llada, per block for llada2')
-    ap.add_argument('--block_length', type=int, help='semi-AR block length (default: checkpoint, else preset)')
-    ap.add_argument('--temperature', type=float, default=0.0, help='0 = greedy')
-    ap.add_argument('--remasking', choices=['low_confidence', 'random'], help='llada: confidence or random order')
-    ap.add_argument('--threshold', type=float, help='llada: parallel decoding threshold (0 = off, the preset); '
-                    'llada2: M2T threshold (preset 0.5)')
-    ap.add_argument('--early_stop', action=argparse.BooleanOptionalAction, default=None,
-                    help='stop once every row has committed EOS (preset: off for llada, on for llada2)')
-    ap.add_argument('--cache', choices=['none', 'prefix', 'dual'], help='llada: Fast-dLLM KV cache (approximate)')
-    ap.add_argument('--editing_threshold', type=float, help='llada2: T2T editing threshold (default off; 0.0 = '
-                    'edit whenever the argmax changes)')
-    ap.add_argument('--max_post_steps', type=int, help='llada2: post-edit steps per block (preset 16)')
+    for k, (typ, text) in OPTIONS.items():  # the sampler options, with each sampler's default
+        specs = [t for s in SAMPLERS.values() for t in (s, s.infill) if t]
+        defaults = ', '.join(f'{s.name}: {s.preset[k]}' for s in specs if k in s.preset)
+        kind = dict(action=argparse.BooleanOptionalAction) if typ is bool else dict(type=typ)
+        ap.add_argument(f'--{k}', default=None, help=f'{text}\n  preset {defaults}', **kind)
     ap.add_argument('--infill', action='store_true', help="fill the literal '[MASK]' spans of each prompt")
     ap.add_argument('--infill_length', type=int, default=20, help='mask tokens per [MASK] span')
     ap.add_argument('--show', action='store_true', help='render the canvas live as it is denoised (one prompt)')
@@ -644,15 +773,16 @@ def main(argv=None):
     ap.add_argument('--trust_remote_code', action='store_true')
     args = ap.parse_args(argv)
 
-    def fail(msg):
+    def fail(msg, code=2):
         print(f'error: {msg}', file=sys.stderr)
-        sys.exit(2)
+        sys.exit(code)
 
     # everything that needs no checkpoint is checked before loading it
     if args.sampler and args.sampler not in SAMPLERS:
         fail(f'unknown sampler {args.sampler!r} (choose from {", ".join(SAMPLERS)})')
-    if args.infill and args.sampler and args.sampler not in INFILL:
-        fail(f'--infill is not supported by sampler {args.sampler!r} (only {", ".join(INFILL)})')
+    for k, least in (('batch_size', 1), ('n', 0), ('infill_length', 1)):
+        if getattr(args, k) < least:
+            fail(f'--{k} must be >= {least}, got {getattr(args, k)}')
     prompts = list(args.prompt)
     if args.prompt_file:
         if not os.path.isfile(args.prompt_file):
@@ -661,6 +791,8 @@ def main(argv=None):
             prompts += [line.rstrip('\n') for line in f if line.strip()]
     if not prompts and not args.eval:
         fail('give --prompt "..." (repeatable), --prompt_file FILE or --eval FILE.jsonl')
+    if any(not p.strip() for p in prompts):
+        fail(f'prompt {next(i for i, p in enumerate(prompts, 1) if not p.strip())} is empty')
     if args.eval and not os.path.isfile(args.eval):
         fail(f'--eval file {args.eval!r} does not exist')
     if args.infill and args.eval:
@@ -668,69 +800,77 @@ def main(argv=None):
     if args.show and (args.eval or len(prompts) != 1):
         fail('--show renders one prompt: give exactly one --prompt and no --eval')
     device = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as e:  # a CPU-only torch raises AssertionError for cuda
+        fail(f'--device {device} is not available: {str(e).strip().splitlines()[0]}')
     dtype = {'auto': torch.bfloat16 if device.startswith('cuda') else torch.float32, 'float32': torch.float32,
              'bfloat16': torch.bfloat16}[args.dtype]
     try:
+        records = read_records(args.eval) if args.eval else []
         model, tok, meta = load_checkpoint(args.checkpoint, device, dtype, args.trust_remote_code)
-    except (FileNotFoundError, OSError, ValueError) as e:
-        fail(str(e).splitlines()[0])
-    sampler = args.sampler or meta.get('sampler', 'llada')
-    if sampler not in SAMPLERS:
-        fail(f'unknown sampler {sampler!r} (choose from {", ".join(SAMPLERS)})')
-    if args.infill and sampler not in INFILL:
-        fail(f'--infill is not supported by sampler {sampler!r} (only {", ".join(INFILL)})')
-    keys = ('gen_length', 'steps', 'block_length', 'remasking', 'threshold', 'early_stop', 'cache',
-            'editing_threshold', 'max_post_steps')
-    given = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
-    unused = [k for k in given if k not in (INFILL_KEYS if args.infill else PRESETS[sampler])]
-    if unused:
-        fail(f'--{unused[0]} does not apply to ' + ('--infill' if args.infill else f'sampler {sampler!r}'))
-    opts = sampler_options(sampler, meta, {**given, 'temperature': args.temperature})
-    if sampler in ('llada', 'llada2'):
-        if meta['mask_id'] is None or meta['mask_id'] < 0:
-            fail('the checkpoint has no mask token id (meta.json mask_id / tokenizer.mask_token_id)')
-        if opts.get('threshold') and opts.get('remasking') == 'random':
-            fail('--threshold needs --remasking low_confidence')
-    if sampler in ('llada', 'llada2') and not args.infill:  # infill has no canvas: its blocks tile the prompt
-        if min(opts['gen_length'], opts['block_length'], opts['steps']) < 1:
-            fail(f"gen_length, block_length and steps must be >= 1, got {opts['gen_length']}, "
-                 f"{opts['block_length']}, {opts['steps']}")
-        if opts['gen_length'] % opts['block_length']:
-            fail(f"gen_length={opts['gen_length']} is not a multiple of block_length={opts['block_length']}")
-        n_blocks = opts['gen_length'] // opts['block_length']
-        if sampler == 'llada' and opts['steps'] % n_blocks:
-            fail(f"steps={opts['steps']} is not divisible by the number of blocks {n_blocks}")
-    gen = torch.Generator(device=device).manual_seed(args.seed)
+    except (OSError, ValueError) as e:
+        fail(str(e).strip().splitlines()[0])
 
-    if prompts:
-        view = None
-        if args.infill:
-            ids = [encode_prompt(tok, p, raw=args.raw, infill_length=args.infill_length, mask_id=meta['mask_id'])
-                   for p in prompts]
-            x, pm = pad_prompts(ids, meta['pad_id'])
-            if args.show:
-                view = LiveView(tok, meta['mask_id'], 0, delay=args.show_delay)
-            kw = {k: opts[k] for k in INFILL_KEYS if k != 'block_length'}
-            out = INFILL[sampler](model, x.to(device), prompt_mask=pm.to(device), mask_id=meta['mask_id'],
-                                  block_length=args.block_length or 0, generator=gen, callback=view, **kw)
-            outs = [row[m].tolist() for row, m in zip(out.cpu(), pm)]
-        else:
-            ids = [encode_prompt(tok, p, raw=args.raw) for p in prompts]
-            if args.show:
-                view = LiveView(tok, meta['mask_id'], len(ids[0]), delay=args.show_delay)
-            outs = generate(model, ids, sampler=sampler, pad_id=meta['pad_id'], eos_id=meta['eos_id'],
-                            mask_id=meta['mask_id'], generator=gen, callback=view, **opts)
-        for p, out in zip(prompts, outs):
-            print(f'{p} -> {tok.decode(out)}')
-    if args.eval:
-        try:
-            records = read_records(args.eval)
-        except ValueError as e:
-            fail(str(e))
-        records = records[:args.n] if args.n else records
-        r = evaluate(model, tok, meta, records, sampler, opts, batch_size=args.batch_size, raw=args.raw,
-                     seed=args.seed)
-        print(format_eval(sampler, r))
+    # the sampler and its options: all from its declaration
+    name = args.sampler or default_sampler(meta)
+    if name not in SAMPLERS:
+        fail(f'unknown sampler {name!r} (choose from {", ".join(SAMPLERS)})')
+    spec = SAMPLERS[name]
+    if args.infill:
+        if spec.infill is None:
+            fail(f"--infill is not supported by sampler {name!r} "
+                 f"(only {', '.join(n for n, s in SAMPLERS.items() if s.infill)})")
+        spec = spec.infill
+    if args.show and not spec.show:
+        fail(f'--show is not supported by sampler {spec.name!r}')
+    given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
+    unused = [k for k in given if k not in spec.preset]
+    if unused:
+        fail(f'--{unused[0]} does not apply to ' + ('--infill' if args.infill else f'sampler {name!r}'))
+    family = meta.get('family')
+    if family and family not in spec.families:
+        what = f"sampler {name!r} decodes {', '.join(spec.families)} checkpoints, not {family!r}"
+        if not args.force:
+            fail(f'{what} (--force decodes anyway; the model was not trained for it, so expect nonsense)')
+        print(f'warning: {what}; decoding anyway (--force): expect nonsense', file=sys.stderr)
+    opts = sampler_options(spec, meta, given)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    limit = getattr(model.config, 'max_position_embeddings', 0)
+
+    try:
+        if prompts:
+            view = None
+            if args.infill:
+                ids = [encode_prompt(tok, p, raw=args.raw, infill_length=args.infill_length, mask_id=meta['mask_id'])
+                       for p in prompts]
+                for i, p in enumerate(ids, 1):
+                    check_prompt(p, 0, limit, f'prompt {i}')
+                x, pm = pad_prompts(ids, meta['pad_id'])
+                if args.show:
+                    view = LiveView(tok, meta['mask_id'], 0, delay=args.show_delay)
+                out = spec(model, x.to(device), prompt_mask=pm.to(device), mask_id=meta['mask_id'],
+                           eos_id=meta['eos_id'], generator=gen, callback=view, **opts)
+                outs = [row[m].tolist() for row, m in zip(out.cpu(), pm)]
+            else:
+                ids = [encode_prompt(tok, p, raw=args.raw) for p in prompts]
+                for i, p in enumerate(ids, 1):
+                    check_prompt(p, opts.get('gen_length', 0), limit, f'prompt {i}')
+                if args.show:
+                    view = LiveView(tok, meta['mask_id'], len(ids[0]), delay=args.show_delay)
+                outs = generate(model, ids, sampler=name, pad_id=meta['pad_id'], eos_id=meta['eos_id'],
+                                mask_id=meta['mask_id'], generator=gen, callback=view, **opts)
+            for p, out in zip(prompts, outs):
+                print(f'{p} -> {tok.decode(out)}')
+        if records:
+            records = records[:args.n] if args.n else records
+            r = evaluate(model, tok, meta, records, name, opts, batch_size=args.batch_size, raw=args.raw,
+                         seed=args.seed)
+            print(format_eval(name, r))
+    except ValueError as e:  # a sampler's option check, a prompt that does not fit the model
+        fail(str(e).strip().splitlines()[0])
+    except FloatingPointError as e:  # non-finite logits: a run-time failure
+        fail(str(e), code=1)
 
 
 if __name__ == '__main__':

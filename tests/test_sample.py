@@ -1,5 +1,6 @@
 """sample.py: the llada and ar samplers on tiny random models, each against an independent reference
-(one-by-one vs batched, cached vs uncached, schedule and top-k vs plain loops), plus the CLI's errors.
+(one-by-one vs batched, cached vs uncached), row retirement with a KV cache, plus the CLI's errors. The sampling
+primitives are tested against their twins in test_sampling_kernels.py.
 Run: python -m pytest -q tests/test_sample.py"""
 import subprocess
 import sys
@@ -21,25 +22,6 @@ def tiny(bidirectional, seed=0):
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
-
-
-def test_num_transfer_tokens_matches_loop():
-    n = torch.tensor([0, 1, 7, 8, 13])
-    got = sample.num_transfer_tokens(n, 4)
-    for row, k in zip(got.tolist(), n.tolist()):
-        ref = [k // 4 + (1 if i < k % 4 else 0) for i in range(4)]
-        assert row == ref and sum(row) == k
-
-
-def test_topk_mask_matches_loop():
-    g = torch.Generator().manual_seed(0)
-    conf = torch.rand(5, 12, generator=g)
-    k = torch.tensor([0, 1, 3, 12, 5])
-    got = sample.topk_mask(conf, k)
-    for b in range(5):
-        ref = torch.zeros(12, dtype=torch.bool)
-        ref[conf[b].topk(int(k[b])).indices] = True
-        assert torch.equal(got[b], ref)
 
 
 def test_pad_prompts_left_pads():
@@ -125,15 +107,6 @@ def test_sampling_draws_only_from_the_generator(name, kw):
         assert not (a == MASK).any()
 
 
-def test_gumbel_noise_samples_the_softmax():
-    logits = torch.tensor([[0.0, 1.0, 2.0]])
-    g = torch.Generator().manual_seed(0)
-    draws = torch.stack([sample.add_gumbel_noise(logits, 1.0, g).argmax(-1) for _ in range(4000)])
-    freq = torch.bincount(draws.flatten(), minlength=3).double() / 4000
-    assert torch.allclose(freq, torch.softmax(logits.double(), -1)[0], atol=0.03), freq
-    assert torch.equal(sample.add_gumbel_noise(logits, 0.0), logits)
-
-
 def test_ar_kv_cache_equals_no_cache():
     model = tiny(False)
     x, pm = sample.pad_prompts(PROMPTS, PAD)
@@ -203,3 +176,69 @@ def test_ar_stop_at_eos_and_lockstep_mode():
     stats = {}  # FSDP eval: every rank must run gen_length forwards
     out2 = sample.sample_ar(_AlwaysEOS(), x, gen_length=6, eos_id=EOS, use_cache=False, stop_at_eos=False, stats=stats)
     assert stats['nfe'] == 6 and torch.equal(out, out2)
+
+
+class EosRamp(torch.nn.Module):
+    """A tiny causal model whose EOS logit grows by `ramp` per position past 6, so rows of different prompt lengths
+    end at different steps; records the last position's logits of every call."""
+
+    def __init__(self, m, ramp=3.0):
+        super().__init__()
+        self.m, self.ramp, self.calls = m, ramp, []
+
+    def forward(self, input_ids, **kw):
+        out = self.m(input_ids=input_ids, **kw)
+        pos = kw['position_ids'][:, -out.logits.shape[1]:]
+        out.logits[..., EOS] += self.ramp * (pos - 6).clamp_min(0)
+        self.calls.append(out.logits[:, -1].clone())  # (B', V)
+        return out
+
+
+@pytest.mark.parametrize('use_cache', [True, False])
+def test_ar_done_rows_leave_the_batch(use_cache):
+    # rows that produced EOS leave (their KV cache rows with them): later forwards carry fewer rows, and every row
+    # sees, step by step, the logits it sees alone (a random model's argmax barely depends on the context, so the
+    # logits are compared, not only the tokens); the lockstep mode (FSDP) keeps every row and gives the same tokens
+    model = EosRamp(tiny(False))
+    x, pm = sample.pad_prompts(PROMPTS, PAD)
+    P = x.shape[1]
+    out = sample.sample_ar(model, x, prompt_mask=pm, gen_length=10, eos_id=EOS, use_cache=use_cache)
+    batched, ends = model.calls, [(r + [EOS]).index(EOS) for r in out[:, P:].tolist()]  # the step each row ended
+    assert [len(z) for z in batched] == [sum(t <= e for e in ends) for t in range(max(ends) + 1)], ends
+    assert batched[-1].shape[0] < 4 and len(set(ends)) > 2, 'rows should end at different steps'
+    for i, p in enumerate(PROMPTS):
+        model.calls = []
+        alone = sample.sample_ar(model, torch.tensor([p]), gen_length=10, eos_id=EOS, use_cache=use_cache)
+        assert out[i, P:].tolist() == alone[0, len(p):].tolist(), i
+        for t, z in enumerate(model.calls):  # row i is the j-th of the rows still decoding at step t
+            j = sum(e >= t for e in ends[:i])
+            assert torch.allclose(batched[t][j], z[0], atol=1e-4), (i, t)
+    model.calls = []
+    lock = sample.sample_ar(model, x, prompt_mask=pm, gen_length=10, eos_id=EOS, use_cache=use_cache,
+                            stop_at_eos=False)
+    assert torch.equal(lock, out) and [len(z) for z in model.calls] == [4] * 10
+
+
+def test_rows_retire_keeps_every_per_row_piece_aligned():
+    # Rows owns the per-row state: retire() cuts the canvas, every tensor and the KV cache to the same rows, and a
+    # tensor with a stale row count cannot be stored
+    model = tiny(False)
+    x = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(0))
+    kv = hf.new_cache()
+    hf.forward(model, x, cache=kv)
+    canvas = torch.cat([x, torch.full((4, 3), MASK)], 1)
+    r = sample.Rows(canvas, 6, MASK, EOS, pos=torch.arange(4)[:, None].repeat(1, 9), kv=kv, nothing=None)
+    r.x[1, 6] = 5  # row 1 generated one token, then ended
+    assert r.retire(torch.tensor([False, True, False, True])) == 2 and r.idx.tolist() == [0, 2]
+    assert r.out[1, 6:].tolist() == [5, EOS, EOS], 'a retired row keeps its tokens, its masks become EOS'
+    assert torch.equal(r.x, canvas[[0, 2]]) and r.pos[:, 0].tolist() == [0, 2] and r.nothing is None
+    ref = hf.new_cache()
+    hf.forward(model, x[[0, 2]], cache=ref)
+    for a, b in zip(r.kv.layers, ref.layers):
+        assert a.keys.shape[0] == 2 and torch.allclose(a.keys, b.keys, atol=1e-5)
+        assert torch.allclose(a.values, b.values, atol=1e-5)
+    with pytest.raises(ValueError, match='4 rows, but 2'):
+        r.pos = torch.zeros(4, 9)  # computed from the old batch
+    with pytest.raises(AttributeError):
+        r.idx = torch.arange(2)  # bookkeeping, not per-row state
+    assert r.retire(torch.tensor([True, True])) == 0 and r.out[[0, 2], 6:].eq(EOS).all()

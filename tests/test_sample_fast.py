@@ -1,10 +1,8 @@
 """sample.py, fast decoding: llada threshold decoding, early stop and Fast-dLLM caches, infill, llada2 (block
-refinement + token editing), NFE accounting, the --eval line, --show and the CLI's errors. Tiny random models (and
-fake models with hand-set confidences) on CPU, each behaviour against an independent reference.
+refinement + token editing), NFE accounting. Tiny random models (and fake models with hand-set confidences) on
+CPU, each behaviour against an independent reference. The command line: test_sample_cli.py.
 Run: python -m pytest -q tests/test_sample_fast.py"""
-import json
 import math
-import re
 import types
 
 import pytest
@@ -377,7 +375,7 @@ def test_encode_prompt_infill():
     assert ids == [tok.bos_id, user, 97, tok.mask_id, tok.mask_id, tok.mask_id, tok.eos_id]
 
 # -----------------------------------------------------------------------------
-# NFE accounting, the --eval line, --show, the CLI
+# NFE accounting (the --eval line, --show and the CLI: test_sample_cli.py)
 
 def test_nfe_accounting():
     model = tiny()
@@ -398,69 +396,3 @@ def test_nfe_accounting():
                         early_stop=True, mask_id=MASK, eos_id=EOS, stats=st)
     rows = [c['ids'].shape[0] for c in model.calls]
     assert st['nfe'] == len(rows) and st['row_nfe'] == sum(rows) < 4 * st['nfe'], (st, rows)
-
-
-@pytest.fixture(scope='module')
-def ckpt(tmp_path_factory):
-    """A tiny bidirectional byte-level checkpoint dir (hf export + meta.json), as llada.py writes it."""
-    from data.tokenizer import ByteTokenizer
-    tok = ByteTokenizer()
-    d = tmp_path_factory.mktemp('ckpt')
-    tiny(vocab_size=tok.vocab_size).save_pretrained(d / 'hf')
-    meta = {**tok.meta(), 'family': 'llada', 'sampler': 'llada', 'gen_length': 4, 'block_length': 4, 'steps': 4}
-    (d / 'hf' / 'meta.json').write_text(json.dumps(meta))
-    (d / 'val.jsonl').write_text(''.join(json.dumps({'messages': [{'role': 'user', 'content': f'{i}+1'},
-                                                                  {'role': 'assistant', 'content': f'{i + 1}'}]}) + '\n'
-                                         for i in range(6)))
-    return d
-
-
-def run_main(capsys, *args):
-    try:
-        sample.main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-EVAL_LINE = (r'^(\w+) \| accuracy \d+\.\d\d% \(\d+/6\) \| NFE \d+ total, \d+\.\d\d/prompt \| '
-             r'tokens/forward \d+\.\d\d \| '
-             r'generated tok/s \d+\.\d \| wall \d+\.\d\ds$')
-
-
-@pytest.mark.parametrize('args', [('--sampler', 'llada', '--threshold', '0.9', '--cache', 'dual', '--block_length', 2),
-                                  ('--sampler', 'llada2',), ('--sampler', 'ar', '--gen_length', 3)])
-def test_cli_eval_one_line(ckpt, capsys, args):
-    code, out, err = run_main(capsys, '--checkpoint', ckpt, '--eval', ckpt / 'val.jsonl', '--batch_size', 4, *args)
-    assert code == 0, err
-    lines = out.strip().splitlines()
-    assert len(lines) == 1 and re.match(EVAL_LINE, lines[0]) and lines[0].startswith(args[1]), lines
-    assert 'eval' in err  # the tqdm bar
-
-
-def test_cli_prompts_show_and_infill(ckpt, capsys, tmp_path):
-    f = tmp_path / 'p.txt'
-    f.write_text('1+2\n\n3+4\n')
-    code, out, err = run_main(capsys, '--checkpoint', ckpt, '--prompt_file', f, '--prompt', '5+6')
-    assert code == 0 and [l.split(' -> ')[0] for l in out.splitlines()] == ['5+6', '1+2', '3+4'], (out, err)
-    code, out, err = run_main(capsys, '--checkpoint', ckpt, '--prompt', '1+2', '--show', '--show_delay', 0)
-    assert code == 0 and '\x1b[1;32;40m' in out and '\x1b[1A' in out and out.splitlines()[-1].startswith('1+2 -> ')
-    code, out, err = run_main(capsys, '--checkpoint', ckpt, '--prompt', 'ab[MASK]c', '--raw', '--infill',
-                              '--infill_length', 3, '--steps', 3)
-    assert code == 0 and out.startswith('ab[MASK]c -> ab'), (out, err)
-
-
-@pytest.mark.parametrize('args,msg', [
-    (('--sampler', 'nope'), "unknown sampler 'nope'"),
-    (('--gen_length', 6, '--block_length', 4), 'gen_length=6 is not a multiple of block_length=4'),
-    (('--gen_length', 8, '--block_length', 4, '--steps', 3), 'steps=3 is not divisible by the number of blocks 2'),
-    (('--sampler', 'ar', '--infill'), "--infill is not supported by sampler 'ar'"),
-    (('--infill', '--cache', 'dual'), "--cache does not apply to --infill"),
-    (('--sampler', 'llada2', '--cache', 'dual'), "--cache does not apply to sampler 'llada2'"),
-    (('--show', '--prompt', 'b'), '--show renders one prompt'),
-])
-def test_cli_bad_input_one_line_exit_2(ckpt, capsys, args, msg):
-    code, out, err = run_main(capsys, '--checkpoint', ckpt, '--prompt', 'a', *args)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and msg in err, err

@@ -111,7 +111,7 @@ def make_batch(examples, seeds, *, pad_id, eos_id, mask_id, eps, max_seq_len, fi
                pad_seq_len_divisible=1, supervise_padding=True, pack=False):
     """[(ids, loss_mask)] examples -> one micro-batch, a dict of (R, T) tensors:
       input_ids (x_t, corrupted), targets (x_0), weights (1/p on corrupted supervised tokens, else 0), loss_mask
-      (supervised), noise (corrupted), and with pack=True doc_ids and position_ids (restarting per document).
+      (the supervised tokens the loss is divided by: with fill_to, not the EOS fill), noise (corrupted), and with pack=True doc_ids and position_ids (restarting per document).
     Padded (pack=False): one example per row, collated as data.loader.collate (EOS block fill up to fill_to).
     Packed: several examples per row of max_seq_len, no fill, padding unsupervised. Each example is corrupted as
     its own row (seeds (B,), one per example) BEFORE packing, so packing changes the layout, never the noise."""
@@ -122,6 +122,9 @@ def make_batch(examples, seeds, *, pad_id, eos_id, mask_id, eps, max_seq_len, fi
                     pad_seq_len_divisible=pad_seq_len_divisible, supervise_padding=supervise_padding, fill_to=fill_to)
         x0, lm = b['input_ids'], b['loss_mask']
         xt, noise, p = corrupt(x0, lm, mask_id=mask_id, eps=eps, seeds=seeds)
+        if fill_to:  # the EOS fill is trained but not counted in the loss denominator (deliberate difference from
+            # LLaDA SFT): counted, it outnumbers the answer tokens and the answers learn far slower (README)
+            lm = lm * (torch.arange(x0.shape[1])[None] < b['input_lengths'][:, None])
         return dict(input_ids=xt, targets=x0, weights=loss_weights(noise, p), loss_mask=lm, noise=noise)
     b = collate(examples, pad_id=pad_id, eos_id=eos_id, max_seq_len=max_seq_len)  # no fill, padding unsupervised
     x0, lm = b['input_ids'], b['loss_mask']

@@ -50,8 +50,13 @@ def test_make_batch_fills_every_row_to_one_canvas():
                               fill_to=fill)
         T = mb['input_ids'].shape[1]
         assert T == max(fill, longest)
-        if fill:  # no pad at all: every row ends in supervised EOS up to the canvas
-            assert not (mb['targets'] == PAD).any() and (mb['loss_mask'][:, -1] == 1).all()
+        if fill:  # no pad at all: every row ends in trained EOS up to the canvas, not counted in the denominator
+            assert not (mb['targets'] == PAD).any()
+            content = torch.arange(T)[None] < torch.tensor([len(i) for i, _ in ex])[:, None]
+            assert torch.equal(mb['loss_mask'].bool(), content & torch.as_tensor(
+                np.stack([np.r_[m, np.zeros(T - len(m), np.uint8)] for _, m in ex])).bool())
+            fill_pos = ~content
+            assert (mb['weights'][fill_pos & mb['noise']] > 0).all() and (mb['noise'] & fill_pos).any()
 
 
 def test_fill_length_is_a_pure_function_of_seed_and_step():

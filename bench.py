@@ -4,6 +4,7 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py                      # every section
     python bench.py --only=ce            # chunked cross-entropy vs naive full-logits CE
     python bench.py --only=ce --V=50304 --N=2048 --dtype=bfloat16   # smaller / other dtype
+    python bench.py --only=scdd_loss     # SCDD's loss path (checkpointed vocabulary chunks) vs llada's fused CE
     python bench.py --only=train         # one llada training step vs a naive full-logits step
     python bench.py --only=pack --V=50304 --T=512   # llada step on mixed-length chat: packed rows vs padded rows
     python bench.py --only=sample        # llada decoding: reference vs threshold vs prefix / dual KV cache, and
@@ -115,6 +116,57 @@ def ce_need_mib(variant, args):
     """Rough memory a variant needs, to skip one that would not fit (naive eager holds ~4 (N, V) fp32)."""
     nv = args.N * args.V * 4 / 2**20
     return {'naive_eager': 4 * nv, 'naive_compiled': 2 * nv}.get(variant, 0.1 * nv)
+
+
+# -----------------------------------------------------------------------------
+# scdd_loss: the SCDD loss path (every supervised row needs its full-vocabulary sum: kernels.chunked_logits_map,
+# checkpointed chunks) vs llada's (the fused chunked CE on the same rows) and vs the same SCDD math on full (N, V)
+# logits; forward + backward, the same rows, half of them [MASK]ed, half visible
+
+SCDD_VARIANTS = ['llada_loss', 'scdd_loss', 'scdd_naive']
+
+
+def scdd_child(variant, args):
+    import scdd
+    torch.manual_seed(0)
+    N, V, d, m = args.loss_N, args.V, args.d, args.V - 1
+    h = torch.randn(N, d).requires_grad_()  # (N, d) the supervised rows' final hidden states
+    W = (torch.randn(V, d) * d ** -0.5).requires_grad_()  # (V, d) LM head
+    x0 = torch.randint(V - 1, (N,))
+    zt = torch.where(torch.arange(N) % 2 == 0, m, x0)  # half masked, half visible
+    t = torch.randint(1, 1001, (N,)).double() / 1000
+    co = scdd.posterior_coefficients(t, t - 1e-3, V - 1, uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5)
+    co = torch.stack([co[k] for k in scdd.COEFS], -1).float()
+    fn = lambda z, x, v, c: scdd.loss_terms(z, x, v, c, mask_id=m)
+    loss_fn = {
+        'llada_loss': lambda: kernels.chunked_cross_entropy(h, W, x0)[0],
+        'scdd_loss': lambda: kernels.chunked_logits_map(fn, h, W, x0, zt, co, chunk_size=args.chunk_size)[:, 0].sum(),
+        'scdd_naive': lambda: fn((h @ W.t()).float(), x0, zt, co)[:, 0].sum(),
+    }[variant]
+
+    def step():
+        loss_fn().backward()
+        h.grad = W.grad = None
+
+    return _measure(step, args.iters)
+
+
+def scdd_report(results, args):
+    c = args.chunk_size or max(16, kernels.auto_chunk_size(args.V) // 4)
+    print(f"scdd_loss: N={args.loss_N} rows (half [MASK], half visible), d={args.d}, V={args.V}, fp32, forward+backward, "
+          f"median of {args.iters}, {torch.get_num_threads()} threads, scdd chunk_size={c}")
+    ref, naive = results.get('llada_loss'), results.get('scdd_naive')
+    header = "| variant | s/iter | peak MiB above baseline | memory vs llada_loss | speed vs scdd_naive | memory vs scdd_naive |"
+    for v, r in measured(results, header):
+        mem = f"{r['mib'] / ref['mib']:.2f}" if ref and 'error' not in ref and ref['mib'] > 0 else '-'
+        ok = naive is not None and 'error' not in naive
+        speed = f"{naive['s'] / r['s']:.2f}x" if ok else '-'
+        memn = f"{r['mib'] / naive['mib']:.3f}" if ok and naive['mib'] > 0 else '-'
+        print(f"| {v} | {r['s']:.2f} | {r['mib']:.0f} | {mem} | {speed} | {memn} |")
+
+
+def scdd_need_mib(variant, args):
+    return (6 if variant == 'scdd_naive' else 0.1) * args.loss_N * args.V * 4 / 2**20
 
 
 # -----------------------------------------------------------------------------
@@ -665,6 +717,7 @@ def gpu_need_mib(check, args):
 
 
 SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
+            'scdd_loss': (SCDD_VARIANTS, scdd_child, scdd_report, scdd_need_mib),
             'train': (TRAIN_VARIANTS, train_child, train_report, train_need_mib),
             'pack': (PACK_VARIANTS, pack_child, pack_report, pack_need_mib),
             'sample': (sample_variants, sample_child, sample_report, sample_need_mib),
@@ -688,6 +741,7 @@ def parse_args(argv=None):
     p.add_argument('--V', type=int, default=126464, help='vocabulary size')
     p.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
     p.add_argument('--chunk_size', type=int, default=0, help='chunked CE rows per chunk, 0 = auto')
+    p.add_argument('--loss_N', type=int, default=2048, help='scdd_loss: supervised rows')
     p.add_argument('--B', type=int, default=8, help='train: sequences per batch')
     p.add_argument('--T', type=int, default=256, help='train: sequence length')
     p.add_argument('--n_layer', type=int, default=4, help='train: transformer layers')

@@ -4,6 +4,8 @@ Numerically critical pieces shared by every family script, each next to its plai
 1. chunked_cross_entropy: CE of hidden rows against a large vocabulary that never materialises the
    (N, V) logits. It computes the gradients chunk by chunk during the forward pass and keeps only
    grad_hidden (N, d) and an fp32 grad_weight accumulator (V, d). Twin: cross_entropy_reference.
+   chunked_logits_map: any per-row function of the logits (SCDD's full-vocabulary sums), chunk by chunk
+   under activation checkpointing.
 2. Attention masks as flex_attention `mask_mod(b, h, q_idx, kv_idx) -> bool` closures, one per layout.
    The same closure gives a dense bool mask for SDPA (dense_mask, the test oracle and the CPU path, since
    flex has no backward on CPU) and a BlockMask for flex on CUDA (block_mask).
@@ -205,6 +207,31 @@ def cross_entropy_reference(hidden, weight, targets, row_weights=None, softcap=0
     ce = F.cross_entropy(logits, targets, reduction='none')  # (N,)
     loss = ce.sum() if row_weights is None else (ce * row_weights).sum()
     return loss, (logits.argmax(dim=-1) == targets).sum()
+
+def chunked_logits_map(fn, hidden, weight, *row_args, softcap=0.0, chunk_size=0):
+    """fn applied to the logits of `hidden` chunk by chunk, for losses that need more than one target's
+    probability per row (SCDD's correction term sums over the whole vocabulary), without keeping any (rows, V)
+    tensor on the autograd tape: each chunk runs under activation checkpointing, so only its inputs are saved and
+    its logits are recomputed in backward, one chunk at a time.
+
+    fn(logits (c, V) fp32, *args_c) -> (c,) or (c, k) per-row values; hidden (N, d), weight (V, d); row_args are
+    (N, ...) tensors cut into the same chunks. chunk_size = rows per chunk, 0 = a quarter of auto_chunk_size(V)
+    (fn keeps a few (c, V) fp32 temporaries alive, the fused CE only one). Under autocast the matmul runs in the
+    autocast dtype and fn sees fp32. Returns fn's rows concatenated: (N,) or (N, k). Twin: the same fn on the full
+    logits (the tests' dense reference)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def chunk(h, *args):
+        z = (h @ weight.t()).float()  # (c, V)
+        if softcap > 0:
+            z = softcap * torch.tanh(z / softcap)
+        return fn(z, *args)
+
+    c = chunk_size or max(16, auto_chunk_size(weight.shape[0]) // 4)
+    outs = [checkpoint(chunk, hidden[i:i + c], *(a[i:i + c] for a in row_args), use_reentrant=False)
+            if torch.is_grad_enabled() else chunk(hidden[i:i + c], *(a[i:i + c] for a in row_args))
+            for i in range(0, hidden.shape[0], c)]
+    return torch.cat(outs) if outs else hidden.new_zeros(0)
 
 # -----------------------------------------------------------------------------
 # attention masks: mask_mod(b, h, q_idx, kv_idx) -> bool, for flex_attention and (densely) for SDPA

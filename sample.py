@@ -59,6 +59,7 @@ class Sampler(NamedTuple):
     infill: 'Sampler' = None  # its --infill variant (a function over prompts with [MASK]s in them), or None
     show: bool = True  # it takes callback= (--show)
     report: Callable = None  # summed stats -> {'field': value}: extra --eval fields after the common ones
+    trained: tuple = ()  # options that describe how the checkpoint was trained (meta.json): a different value warns
 
     def __call__(self, *args, **kw):
         return self.fn(*args, **kw)
@@ -97,6 +98,10 @@ OPTIONS = {  # every sampler option the command line takes: (type, help). A samp
     'cache': (str, "Fast-dLLM KV cache: 'none', 'prefix' or 'dual' (approximate)"),
     'editing_threshold': (float, 'T2T editing threshold (default off; 0.0 = edit whenever the argmax changes)'),
     'max_post_steps': (int, 'post-edit steps per block'),
+    'uniform_ratio': (float, "scdd: the schedule's peak uniform-noise share (from meta.json: must match training)"),
+    'schedule_shape': (float, "scdd: the schedule's shape (from meta.json: must match training)"),
+    'schedule_peak': (float, "scdd: the time of the uniform peak (from meta.json: must match training)"),
+    'num_timesteps': (int, 'scdd: the training time grid k/T the sampling times lie on (from meta.json)'),
 }
 
 
@@ -531,6 +536,86 @@ def sample_ar(model, x, *, prompt_mask=None, gen_length=128, steps=0, block_leng
     return r.done()
 
 
+@sampler('scdd', families=('scdd',), from_meta=('gen_length',),
+         trained=('uniform_ratio', 'schedule_shape', 'schedule_peak', 'num_timesteps'),
+         preset=dict(gen_length=128, steps=128, temperature=1.0, early_stop=False, uniform_ratio=0.1,
+                     schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000))
+@torch.no_grad()
+def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temperature=1.0, early_stop=False,
+                uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000, mask_id, eos_id=-1,
+                generator=None, stats=None, callback=None):
+    """SCDD ancestral sampling (methods.md §1.6, NeMo SCDDSampler): a [MASK] canvas of gen_length after the prompt;
+    `steps` steps t -> s down the training grid (t_i = round((steps - i)·T/steps)/T, from 1 to 0). Each step runs
+    one forward, x_θ = softmax(logits / temperature) over the non-mask tokens (temperature 0: the one-hot argmax),
+    and resamples EVERY canvas position from the exact posterior with x_θ for x (scdd.posterior_coefficients):
+      [MASK]:      z != m: Ct·(A + Bc·x_θ(z)),  m: Mt (it may stay masked)
+      visible v:   (C + D·δ_zv)·(A + Bc·x_θ(z)) / (Ut + At·x_θ(v)),  m: 0 (a visible token may be corrected,
+                   never re-masked)
+    drawn in float64 by the exponential race (kernels.sample_categorical). The last step (s = 0) unmasks
+    everything; a final forward then sets every canvas position to the argmax of x_θ (the official noise
+    removal: NFE = steps + 1), so no [MASK] is left and the deliberate uniform noise is cleaned up.
+    uniform_ratio / schedule_shape / schedule_peak / num_timesteps must be the training values (meta.json).
+    early_stop: before resampling, a row whose canvas has an EOS with nothing masked before it and whose tokens
+      up to it all equal the model's argmax (the clean-up would leave its response as it is) is done and leaves
+      the batch (Rows; its tokens after the EOS become EOS). A greedy-ish shortcut: without it every row runs
+      every step and the clean-up.
+    Returns (B, P + gen_length)."""
+    import scdd
+    check_common(temperature, mask_id)
+    need(gen_length >= 1 and 1 <= steps <= num_timesteps,
+         f'need gen_length >= 1 and 1 <= steps <= num_timesteps={num_timesteps}, got {gen_length}, {steps}')
+    problem = scdd.schedule_error(uniform_ratio, schedule_shape, schedule_peak)
+    need(problem is None, problem)
+    B, P = x.shape
+    x, key_valid, pos, attn = make_canvas(x, prompt_mask, gen_length, mask_id)
+    r = Rows(x, P, mask_id, eos_id, pos=pos, attn=attn)
+    grid = [round((steps - i) * num_timesteps / steps) / num_timesteps for i in range(steps + 1)]
+    sched = dict(uniform_ratio=uniform_ratio, schedule_shape=schedule_shape, schedule_peak=schedule_peak)
+
+    def x_theta(logits):  # (B, G, V) -> the model's clean-token distribution over the non-mask tokens, float64
+        logits = logits.double()
+        logits[..., mask_id] = -torch.inf
+        if temperature == 0:
+            return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.softmax(logits / temperature, -1)
+
+    for i in range(steps + 1):  # steps ancestral steps, then the clean-up
+        logits = hf.forward(model, r.x, mask=r.attn, pos=r.pos, keep=gen_length)  # (B, G, V)
+        _count(stats, r.n)
+        check_finite(logits.gather(-1, logits.argmax(-1, keepdim=True)).double())
+        if i == steps:  # the clean-up: every canvas position to the argmax of x_θ
+            logits[..., mask_id] = -torch.inf
+            new = logits.argmax(-1)
+            changed = new != r.x[:, P:]
+            r.x[:, P:] = new
+            if callback is not None:
+                r.report(callback, changed, P)
+            break
+        z = r.x[:, P:]  # (B, G)
+        if early_stop and eos_id >= 0:
+            logits[..., mask_id] = -torch.inf
+            G = z.shape[1]
+            first = torch.where(z == eos_id, torch.arange(G, device=z.device), G).amin(1, keepdim=True)  # (B, 1)
+            settled = ((logits.argmax(-1) == z) | (torch.arange(G, device=z.device) > first)).all(1)
+            fin = (eos_finished(z, mask_id, eos_id) & settled).cpu()
+            if fin.any():
+                keep = ~fin.to(logits.device)
+                logits = logits[keep]
+                if r.retire(fin) == 0:
+                    return r.out
+                z = r.x[:, P:]
+        K = logits.shape[-1] - 1
+        co = scdd.posterior_coefficients(torch.tensor(grid[i], dtype=torch.float64),
+                                         torch.tensor(grid[i + 1], dtype=torch.float64), K, **sched)
+        co = {k: float(v) for k, v in co.items()}
+        new = kernels.sample_categorical(scdd.reverse_probs(x_theta(logits), z, co, mask_id), generator)  # (B, G)
+        changed = new != z
+        r.x[:, P:] = new
+        if callback is not None:
+            r.report(callback, changed, P)
+    return r.done()
+
+
 def generate(model, prompts, *, sampler='llada', pad_id, eos_id=-1, mask_id=-1, generator=None, **kw):
     """Run SAMPLERS[sampler] on a list of prompts (lists of token ids); returns each row's generated ids, cut at the
     first eos_id. The model's device is used; kw go to the sampler (stats=, callback= included)."""
@@ -835,6 +920,10 @@ def main(argv=None):
             fail(f'{what} (--force decodes anyway; the model was not trained for it, so expect nonsense)')
         print(f'warning: {what}; decoding anyway (--force): expect nonsense', file=sys.stderr)
     opts = sampler_options(spec, meta, given)
+    for k in spec.trained:
+        if k in given and k in meta and given[k] != meta[k]:
+            print(f'warning: --{k} {given[k]} but the checkpoint was trained with {k}={meta[k]} (meta.json): '
+                  f'the sampler then targets a different forward process', file=sys.stderr)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     limit = getattr(model.config, 'max_position_embeddings', 0)
 

@@ -32,6 +32,7 @@ COMMON = ['--n_layer=2', '--n_head=2', '--n_kv_head=2', '--n_embd=32', '--interm
 FAMILIES = {  # script -> its tiny run's arguments (data_dir and out_dir are added)
     'llada.py': COMMON,
     'ar.py': COMMON,
+    'scdd.py': COMMON,
 }
 DATA = dict(task='add', max_seq_len=64, seed=0, n_train=2000, n_val=64)  # the synthetic data the runs train on
 

@@ -114,3 +114,44 @@ def test_ar_logged_loss_is_next_token_ce_over_global_target_count(data_dir, tmp_
             num += float((ce * lm[:, 1:].flatten().double()).sum())
             den += float(lm[:, 1:].sum())
     check(out, num, den, model)
+
+
+def test_scdd_logged_loss_is_the_nelbo_over_global_supervised_count(data_dir, tmp_path):
+    # the reference: full logits of a plain forward, the per-position KL of the exact posteriors by Bayes on explicit
+    # transition matrices (test_scdd.dense_kl, no scdd loss code) minus scdd.nelbo_constants (tested against the
+    # same KL in test_scdd.py), times T, summed over every scored position, / the global supervised count
+    import scdd
+    from data.loader import TokenDataset
+    from test_scdd import dense_kl
+    out = str(tmp_path / 'out')
+    run('scdd.py', f'--data_dir={data_dir}', f'--out_dir={out}', '--uniform_ratio=0.4', *ARGS, *TINY)
+    cfg = ckpt(out)['config']
+    assert cfg['gradient_accumulation_steps'] == 2 and not cfg['pack']
+    ds = TokenDataset(data_dir, 'train')
+    meta = ds.meta
+    model = initial_model(cfg, meta, bidirectional=True)
+    V, T, m = meta['vocab_size'], cfg['num_timesteps'], cfg['mask_id']
+    sched = {k: cfg[k] for k in ('uniform_ratio', 'schedule_shape', 'schedule_peak')}
+    global_batch = cfg['batch_size'] * cfg['gradient_accumulation_steps']
+    num = den = 0.0
+    kinds = set()
+    with torch.no_grad():
+        for examples, rows in micro_batches(cfg, ds):
+            t = scdd.sample_times(cfg['seed'], 0, rows, global_batch, eps=cfg['eps'], num_timesteps=T)
+            mb = scdd.make_batch(examples, scdd.corruption_seeds(cfg['seed'], 0, rows, global_batch), t,
+                                 pad_id=meta['pad_id'], eos_id=meta['eos_id'], mask_id=m, vocab_size=V,
+                                 max_seq_len=cfg['max_seq_len'], block_size=cfg['pad_block_size'],
+                                 pad_seq_len_divisible=cfg['pad_seq_len_divisible'],
+                                 supervise_padding=cfg['supervise_padding'], pack=False, **sched)
+            x0, xt, lm = mb['targets'], mb['input_ids'], mb['loss_mask']
+            sup = lm > 0
+            assert torch.equal(mb['scored'], sup) and torch.equal(xt[~sup], x0[~sup])
+            kinds |= {'masked' if z == m else 'clean' if z == x else 'changed' for z, x in zip(xt[sup], x0[sup])}
+            logits = model(xt).logits.double()[sup]  # (n, V)
+            tt = mb['times'][sup]
+            kl = dense_kl(logits, x0[sup], xt[sup], tt.tolist(), (tt - 1 / T).tolist(), m, **sched)
+            const = scdd.nelbo_constants(x0[sup], xt[sup], tt, V - 1, mask_id=m, num_timesteps=T, **sched)
+            num += float(T * (kl - const).sum())
+            den += float(lm.sum())
+    assert kinds == {'masked', 'clean', 'changed'}
+    check(out, num, den, model)

@@ -37,8 +37,11 @@ def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp('ckpt')
     for family, meta in [('llada', {'sampler': 'llada', 'gen_length': 4, 'block_length': 4, 'steps': 4,
                                     'step': 1234}),
-                         ('ar', {'sampler': 'ar', 'gen_length': 4})]:
-        tiny(tok.vocab_size, family == 'llada').save_pretrained(d / family / 'hf')
+                         ('ar', {'sampler': 'ar', 'gen_length': 4}),
+                         ('scdd', {'sampler': 'scdd', 'gen_length': 4, 'steps': 4, 'temperature': 0.0,
+                                   'num_timesteps': 1000, 'uniform_ratio': 0.1, 'schedule_shape': 1.0,
+                                   'schedule_peak': 0.5})]:
+        tiny(tok.vocab_size, family != 'ar').save_pretrained(d / family / 'hf')
         (d / family / 'hf' / 'meta.json').write_text(json.dumps({**tok.meta(), 'family': family, **meta}))
     (d / 'llada' / 'ckpt.pt').write_bytes(b'')  # only its name matters here
     (d / 'val.jsonl').write_text(''.join(record(f'{i}+1', f'{i + 1}') for i in range(6)))
@@ -123,7 +126,8 @@ def test_sampler_of_another_family_needs_force(ckpt, capsys):
 @pytest.mark.parametrize('family,args', [
     ('llada', ('--sampler', 'llada', '--threshold', '0.9', '--cache', 'dual', '--block_length', 2)),
     ('llada', ('--sampler', 'llada2')),
-    ('ar', ('--sampler', 'ar', '--gen_length', 3))])
+    ('ar', ('--sampler', 'ar', '--gen_length', 3)),
+    ('scdd', ('--sampler', 'scdd', '--steps', 2, '--early_stop'))])
 def test_cli_eval_one_line(ckpt, capsys, family, args):
     code, out, err = run_main(capsys, '--checkpoint', ckpt / family, '--eval', ckpt / 'val.jsonl', '--batch_size',
                               4, *args)
@@ -137,7 +141,7 @@ def test_cli_eval_one_line(ckpt, capsys, family, args):
 
 def test_readme_eval_line_is_the_real_format():
     text = open(os.path.join(ROOT, 'README.md')).read()
-    lines = re.findall(r'`((?:llada|llada2|ar) \| accuracy[^`]*)`', text)
+    lines = re.findall(r'`((?:llada|llada2|ar|scdd) \| accuracy[^`]*)`', text)
     assert lines and all(re.match(EVAL_LINE + '$', ln) for ln in lines), lines
 
 
@@ -289,3 +293,19 @@ def test_cli_non_finite_logits_stop_decoding(ckpt, capsys, tmp_path, args):
     code, out, err = run_main(capsys, '--checkpoint', d, '--prompt', 'a', *args)
     assert one_line_error(code, err, 'the model produced non-finite logits', want=1), err
     assert out == ''
+
+
+def test_cli_scdd_options(ckpt, capsys):
+    # the schedule comes from meta.json (a different value warns), what does not apply is refused with one line
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'scdd', '--prompt', '1+2', '--uniform_ratio', 0.2)
+    assert code == 0 and out.startswith('1+2 -> ')
+    assert 'warning: --uniform_ratio 0.2 but the checkpoint was trained with uniform_ratio=0.1' in err
+    for args, msg in [(('--block_length', 2), "--block_length does not apply to sampler 'scdd'"),
+                      (('--threshold', 0.9), "--threshold does not apply to sampler 'scdd'"),
+                      (('--cache', 'dual'), "--cache does not apply to sampler 'scdd'"),
+                      (('--steps', 1001), 'need gen_length >= 1 and 1 <= steps <= num_timesteps=1000'),
+                      (('--schedule_shape', 4.0), 'schedule_shape*(1-schedule_peak)=2 must be <= 1')]:
+        code, out, err = run_main(capsys, '--checkpoint', ckpt / 'scdd', '--prompt', '1+2', *args)
+        assert one_line_error(code, err, msg), (args, err)
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'llada', '--sampler', 'scdd', '--prompt', '1+2')
+    assert one_line_error(code, err, "sampler 'scdd' decodes scdd checkpoints, not 'llada'"), err

@@ -1,0 +1,24 @@
+# scdd_tiny: the embedded default, spelled out. llada_tiny's model, data and budget (a ~1.1M-parameter bidirectional
+# Qwen3 on synthetic 3-digit addition, data/add) trained with SCDD's mixed absorbing + uniform noise.
+# Launch:   python scdd.py config/scdd_tiny.py        (identical to plain `python scdd.py`)
+# Expected: see the README SCDD table (held-out exact match on data/add/val, scdd sampler, steps = gen_length).
+out_dir = 'out-scdd'
+dataset = 'add'
+batch_size = 256
+max_seq_len = 64
+supervise_padding = True
+n_layer = 4
+n_head = 4
+n_embd = 128
+intermediate_size = 512
+learning_rate = 2e-3
+max_iters = 2000
+warmup_iters = 50
+min_lr = 1e-4
+eval_interval = 1000
+num_timesteps = 1000
+uniform_ratio = 0.1
+schedule_shape = 1.0
+schedule_peak = 0.5
+gen_length = 5
+steps = 5

@@ -6,7 +6,7 @@ per example; the model (a bidirectional transformer) predicts the clean token at
 is the 1/p-weighted cross-entropy over masked positions, divided by the number of supervised tokens in the global
 batch (LLaDA arXiv 2502.09992 Eq. 3 / SFT Eq. 5; NeMo AutoModel MDLMCrossEntropyLoss).
 
-CPU, the embedded default (synthetic 3-digit addition, ~1.1M params, ~8 minutes, prints held-out accuracy):
+CPU, the embedded default (synthetic 3-digit addition, ~1.1M params, ~12 minutes, prints held-out accuracy):
     python llada.py
 1 GPU, LLaDA-8B-Base SFT from a local checkpoint directory:
     python llada.py config/llada_sft.py --init_from=/path/to/LLaDA-8B-Base
@@ -360,7 +360,8 @@ if __name__ == '__main__':
     pad_block_size = 1  # >1: EOS-fill each row to a multiple of this (supervised, unattended)
     pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
     supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
-    eos_fill = 0  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length)
+    eos_fill = 32  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length),
+    #                so a sampling canvas longer than the answer stays in distribution (README); 0 = off
     pack = False  # pack several examples per row of max_seq_len (per-document attention) instead of padding
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'

@@ -5,6 +5,7 @@ sample.py: every sampler of the project behind one command line.
     python sample.py --checkpoint out-llada --eval data/add/val.jsonl --threshold 0.9 --early_stop
     python sample.py --checkpoint out-llada --sampler llada2 --prompt "123+456" --show
     python sample.py --checkpoint out-llada --infill --infill_length 1 --steps 1 --prompt "123+4[MASK]6"
+    python sample.py --checkpoint out-scdd --eval data/add/val.jsonl --steps 2                   # SCDD, 2 steps
     python sample.py --checkpoint out-ar --sampler ar --prompt_file prompts.txt
 
 --checkpoint takes a training out_dir (its hf/ export is used), a file in one (ckpt.pt) or any Hugging Face model

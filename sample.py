@@ -103,6 +103,8 @@ OPTIONS = {  # every sampler option the command line takes: (type, help). A samp
     'schedule_shape': (float, "scdd: the schedule's shape (from meta.json: must match training)"),
     'schedule_peak': (float, "scdd: the time of the uniform peak (from meta.json: must match training)"),
     'num_timesteps': (int, 'scdd: the training time grid k/T the sampling times lie on (from meta.json)'),
+    'cleanup': (str, "scdd: the final argmax pass over 'all' canvas positions (the official noise removal, +1 NFE) "
+                     "or only the 'mask' ones left (none at s = 0: the ancestral sample is kept)"),
 }
 
 
@@ -539,11 +541,11 @@ def sample_ar(model, x, *, prompt_mask=None, gen_length=128, steps=0, block_leng
 
 @sampler('scdd', families=('scdd',), from_meta=('gen_length',),
          trained=('uniform_ratio', 'schedule_shape', 'schedule_peak', 'num_timesteps'),
-         preset=dict(gen_length=128, steps=128, temperature=1.0, early_stop=False, uniform_ratio=0.1,
+         preset=dict(gen_length=128, steps=128, temperature=1.0, early_stop=False, cleanup='all', uniform_ratio=0.1,
                      schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000))
 @torch.no_grad()
 def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temperature=1.0, early_stop=False,
-                uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000, mask_id, eos_id=-1,
+                cleanup='all', uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000, mask_id, eos_id=-1,
                 generator=None, stats=None, callback=None):
     """SCDD ancestral sampling (methods.md §1.6, NeMo SCDDSampler): a [MASK] canvas of gen_length after the prompt;
     `steps` steps t -> s down the training grid (t_i = round((steps - i)·T/steps)/T, from 1 to 0). Each step runs
@@ -553,8 +555,11 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
       visible v:   (C + D·δ_zv)·(A + Bc·x_θ(z)) / (Ut + At·x_θ(v)),  m: 0 (a visible token may be corrected,
                    never re-masked)
     drawn in float64 by the exponential race (kernels.sample_categorical). The last step (s = 0) unmasks
-    everything; a final forward then sets every canvas position to the argmax of x_θ (the official noise
-    removal: NFE = steps + 1), so no [MASK] is left and the deliberate uniform noise is cleaned up.
+    everything; cleanup='all': a final forward then sets every canvas position to the argmax of x_θ (the official
+    noise removal: NFE = steps + 1), meant to clean up the deliberate uniform noise; cleanup='mask': only positions
+    still [MASK] would be set (none are left at s = 0, so the ancestral sample is the answer: NFE = steps). On our
+    tiny model 'all' costs accuracy (README: x_θ at visible positions is trained by the correction term only
+    until the posterior keeps the token, not to be the argmax).
     uniform_ratio / schedule_shape / schedule_peak / num_timesteps must be the training values (meta.json).
     early_stop: before resampling, a row whose canvas has an EOS with nothing masked before it and whose tokens
       up to it all equal the model's argmax (the clean-up would leave its response as it is) is done and leaves
@@ -563,6 +568,7 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
     Returns (B, P + gen_length)."""
     import scdd
     check_common(temperature, mask_id)
+    need(cleanup in ('all', 'mask'), f"cleanup must be 'all' or 'mask', got {cleanup!r}")
     need(gen_length >= 1 and 1 <= steps <= num_timesteps,
          f'need gen_length >= 1 and 1 <= steps <= num_timesteps={num_timesteps}, got {gen_length}, {steps}')
     problem = scdd.schedule_error(uniform_ratio, schedule_shape, schedule_peak)
@@ -581,12 +587,16 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
         return torch.softmax(logits / temperature, -1)
 
     for i in range(steps + 1):  # steps ancestral steps, then the clean-up
+        if i == steps and cleanup == 'mask' and not bool((r.x[:, P:] == mask_id).any()):
+            break  # nothing left to clean up: no forward
         logits = hf.forward(model, r.x, mask=r.attn, pos=r.pos, keep=gen_length)  # (B, G, V)
         _count(stats, r.n)
         check_finite(logits.gather(-1, logits.argmax(-1, keepdim=True)).double())
-        if i == steps:  # the clean-up: every canvas position to the argmax of x_θ
+        if i == steps:  # the clean-up: every canvas position (or every [MASK] left) to the argmax of x_θ
             logits[..., mask_id] = -torch.inf
             new = logits.argmax(-1)
+            if cleanup == 'mask':
+                new = torch.where(r.x[:, P:] == mask_id, new, r.x[:, P:])
             changed = new != r.x[:, P:]
             r.x[:, P:] = new
             if callback is not None:

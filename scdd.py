@@ -502,7 +502,8 @@ if __name__ == '__main__':
     pad_block_size = 1  # >1: EOS-fill each row to a multiple of this (supervised, unattended)
     pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
     supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
-    eos_fill = 0  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length)
+    eos_fill = 0  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length);
+    #              off here (llada.py's default is 32): the SCDD results in the README were measured without it
     pack = False  # pack several examples per row of max_seq_len (per-document attention) instead of padding
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'

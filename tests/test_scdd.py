@@ -367,3 +367,20 @@ def test_schedule_without_a_valid_kernel_is_refused():
     c_t, u_t, _ = scdd.schedule(t, uniform_ratio=0.3, schedule_shape=2.0, schedule_peak=0.4)
     c_s, u_s, _ = scdd.schedule(t - 0.01, uniform_ratio=0.3, schedule_shape=2.0, schedule_peak=0.4)
     assert (c_t + u_t) / (c_s + u_s) - c_t / c_s < 0
+
+
+def test_cleanup_mask_keeps_the_ancestral_sample(tiny):
+    # cleanup='mask' skips the final argmax pass when no [MASK] is left (always, at s = 0): the answer is the last
+    # ancestral sample, i.e. the canvas 'all' had just before its clean-up, with one forward less
+    x, pm = prompts()
+    frames, st_all, st_mask = [], {}, {}
+    run = lambda cleanup, stats, cb=None: sample.sample_scdd(
+        tiny, x, prompt_mask=pm, generator=torch.Generator().manual_seed(3), cleanup=cleanup, stats=stats,
+        callback=cb, **OPTS)
+    full = run('all', st_all, lambda canvas, changed: frames.append(canvas.clone()))
+    kept = run('mask', st_mask)
+    assert torch.equal(kept, frames[-2]) and torch.equal(full, frames[-1])
+    assert st_mask['nfe'] == OPTS['steps'] == st_all['nfe'] - 1
+    assert not (kept[:, x.shape[1]:] == M).any()
+    with pytest.raises(ValueError, match="cleanup must be 'all' or 'mask'"):
+        run('nope', {})

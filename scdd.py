@@ -93,7 +93,8 @@ def reverse_probs(p, z, co, mask_id):
     §1.4), the distribution the sampler draws every position from. p (..., V) float64: x_θ (0 at [MASK]); z (...)
     long: the current tokens; co: posterior_coefficients (floats or broadcastable tensors). -> (..., V) float64:
       z = [MASK]:  Ct·(A + Bc·x_θ(z')) for z' != m, Mt at m (it may stay masked)
-      z = v:       (C + D·δ_z'v)·(A + Bc·x_θ(z')) / (Ut + At·x_θ(v)), 0 at m (corrected, never re-masked)."""
+      z = v:       (C + D·δ_z'v)·(A + Bc·x_θ(z')) / (Ut + At·x_θ(v)), 0 at m (corrected, never re-masked);
+                   a row with no mass at all (x_θ(v) = 0 and Ut = 0) keeps v."""
     num = co['A'] + co['Bc'] * p  # (..., V): the posterior's x-factor with x_θ for x
     release = co['Ct'] * num
     release[..., mask_id] = co['Mt']
@@ -101,7 +102,11 @@ def reverse_probs(p, z, co, mask_id):
     visible.scatter_add_(-1, z[..., None], co['D'] * num.gather(-1, z[..., None]))
     visible /= (co['Ut'] + co['At'] * p.gather(-1, z[..., None])).clamp_min(1e-300)  # > 0 wherever z is visible
     visible[..., mask_id] = 0.0
-    return torch.where((z == mask_id)[..., None], release, visible)
+    probs = torch.where((z == mask_id)[..., None], release, visible)
+    # a visible token the model gives no mass to (x_θ(v) = 0 with β̄_t = 0: a one-hot x_θ at temperature 0, or
+    # uniform_ratio 0) is an observation the model calls impossible: its row has no mass; keep the token (NeMo)
+    dead = ~(probs.sum(-1, keepdim=True) > 0)  # (..., 1)
+    return torch.where(dead, F.one_hot(z, p.shape[-1]).to(probs.dtype), probs)
 
 
 def sample_times(seed, step, global_rows, global_batch, *, eps, num_timesteps):

@@ -384,3 +384,19 @@ def test_cleanup_mask_keeps_the_ancestral_sample(tiny):
     assert not (kept[:, x.shape[1]:] == M).any()
     with pytest.raises(ValueError, match="cleanup must be 'all' or 'mask'"):
         run('nope', {})
+
+
+def test_a_visible_token_the_model_rules_out_is_kept_not_zeroed():
+    # uniform_ratio 0 (or a one-hot x_θ) with x_θ(v) = 0: the posterior row has no mass; the token must stay v (the
+    # exponential race over an all-zero row would silently return token 0)
+    V, m = 7, 2
+    p = torch.zeros(3, V, dtype=torch.float64)
+    p[:, 5] = 1.0  # one-hot x_θ: the argmax is 5 everywhere
+    z = torch.tensor([4, 5, m])
+    sched = dict(uniform_ratio=0.0, schedule_shape=1.0, schedule_peak=0.5)
+    co = scdd.posterior_coefficients(torch.tensor(0.6, dtype=torch.float64), torch.tensor(0.4, dtype=torch.float64),
+                                     V - 1, **sched)
+    probs = scdd.reverse_probs(p, z, {k: float(v) for k, v in co.items()}, m)
+    assert torch.allclose(probs.sum(-1), torch.ones(3, dtype=torch.float64))
+    assert probs[0, 4] == 1 and probs[1, 5] == 1  # kept (4: ruled out by x_θ; 5: the argmax anyway)
+    assert probs[2, 5] > 0 and probs[2, m] > 0  # a [MASK] is released to the argmax or stays

@@ -4,7 +4,7 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py                      # every section
     python bench.py --only=ce            # chunked cross-entropy vs naive full-logits CE
     python bench.py --only=ce --V=50304 --N=2048 --dtype=bfloat16   # smaller / other dtype
-    python bench.py --only=scdd_loss     # SCDD's loss path (checkpointed vocabulary chunks) vs llada's fused CE
+    python bench.py --only=scdd_loss     # SCDD's loss path (vocabulary chunks, gradients in forward) vs llada's fused CE
     python bench.py --only=train         # one llada training step vs a naive full-logits step
     python bench.py --only=pack --V=50304 --T=512   # llada step on mixed-length chat: packed rows vs padded rows
     python bench.py --only=sample        # llada decoding: reference vs threshold vs prefix / dual KV cache, and
@@ -119,8 +119,8 @@ def ce_need_mib(variant, args):
 
 
 # -----------------------------------------------------------------------------
-# scdd_loss: the SCDD loss path (every supervised row needs its full-vocabulary sum: kernels.chunked_logits_map,
-# checkpointed chunks) vs llada's (the fused chunked CE on the same rows) and vs the same SCDD math on full (N, V)
+# scdd_loss: the SCDD loss path (every supervised row needs its full-vocabulary sum: kernels.chunked_logits_sum,
+# chunks, gradients in the forward pass) vs llada's (the fused chunked CE on the same rows) and vs the same SCDD math on full (N, V)
 # logits; forward + backward, the same rows, half of them [MASK]ed, half visible
 
 SCDD_VARIANTS = ['llada_loss', 'scdd_loss', 'scdd_naive']
@@ -140,7 +140,7 @@ def scdd_child(variant, args):
     fn = lambda z, x, v, c: scdd.loss_terms(z, x, v, c, mask_id=m)
     loss_fn = {
         'llada_loss': lambda: kernels.chunked_cross_entropy(h, W, x0)[0],
-        'scdd_loss': lambda: kernels.chunked_logits_map(fn, h, W, x0, zt, co, chunk_size=args.chunk_size)[:, 0].sum(),
+        'scdd_loss': lambda: kernels.chunked_logits_sum(fn, h, W, x0, zt, co, chunk_size=args.chunk_size)[0],
         'scdd_naive': lambda: fn((h @ W.t()).float(), x0, zt, co)[:, 0].sum(),
     }[variant]
 
@@ -152,7 +152,7 @@ def scdd_child(variant, args):
 
 
 def scdd_report(results, args):
-    c = args.chunk_size or max(16, kernels.auto_chunk_size(args.V) // 4)
+    c = args.chunk_size or max(16, kernels.auto_chunk_size(args.V) // 8)
     print(f"scdd_loss: N={args.loss_N} rows (half [MASK], half visible), d={args.d}, V={args.V}, fp32, forward+backward, "
           f"median of {args.iters}, {torch.get_num_threads()} threads, scdd chunk_size={c}")
     ref, naive = results.get('llada_loss'), results.get('scdd_naive')

@@ -4,8 +4,8 @@ Numerically critical pieces shared by every family script, each next to its plai
 1. chunked_cross_entropy: CE of hidden rows against a large vocabulary that never materialises the
    (N, V) logits. It computes the gradients chunk by chunk during the forward pass and keeps only
    grad_hidden (N, d) and an fp32 grad_weight accumulator (V, d). Twin: cross_entropy_reference.
-   chunked_logits_map: any per-row function of the logits (SCDD's full-vocabulary sums), chunk by chunk
-   under activation checkpointing.
+   chunked_logits_sum: the same for any per-row function of the logits (SCDD's full-vocabulary sums),
+   its gradient from a local autograd graph per chunk. Twin: chunked_logits_sum_reference.
 2. Attention masks as flex_attention `mask_mod(b, h, q_idx, kv_idx) -> bool` closures, one per layout.
    The same closure gives a dense bool mask for SDPA (dense_mask, the test oracle and the CPU path, since
    flex has no backward on CPU) and a BlockMask for flex on CUDA (block_mask).
@@ -208,30 +208,78 @@ def cross_entropy_reference(hidden, weight, targets, row_weights=None, softcap=0
     loss = ce.sum() if row_weights is None else (ce * row_weights).sum()
     return loss, (logits.argmax(dim=-1) == targets).sum()
 
-def chunked_logits_map(fn, hidden, weight, *row_args, softcap=0.0, chunk_size=0):
-    """fn applied to the logits of `hidden` chunk by chunk, for losses that need more than one target's
-    probability per row (SCDD's correction term sums over the whole vocabulary), without keeping any (rows, V)
-    tensor on the autograd tape: each chunk runs under activation checkpointing, so only its inputs are saved and
-    its logits are recomputed in backward, one chunk at a time.
+class _ChunkedLogitsSum(torch.autograd.Function):
+    """Σ_rows fn(logits)[:, 0] with its gradient computed chunk by chunk in the forward pass (see
+    chunked_logits_sum); backward scales the stored gradients by the incoming scalar."""
 
-    fn(logits (c, V) fp32, *args_c) -> (c,) or (c, k) per-row values; hidden (N, d), weight (V, d); row_args are
-    (N, ...) tensors cut into the same chunks. chunk_size = rows per chunk, 0 = a quarter of auto_chunk_size(V)
-    (fn keeps a few (c, V) fp32 temporaries alive, the fused CE only one). Under autocast the matmul runs in the
-    autocast dtype and fn sees fp32. Returns fn's rows concatenated: (N,) or (N, k). Twin: the same fn on the full
-    logits (the tests' dense reference)."""
-    from torch.utils.checkpoint import checkpoint
+    @staticmethod
+    def forward(ctx, hidden, weight, fn, softcap, chunk_size, needs, *row_args):
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # fp32, or fp64 for the tests
+        grad_h = torch.zeros_like(hidden) if needs[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        extras = []
+        for i in range(0, hidden.shape[0], chunk_size):
+            h = hidden[i:i + chunk_size]  # (c, d)
+            with torch.enable_grad():  # a local graph over this chunk's logits only
+                z = (h.detach() @ weight.detach().t()).to(acc).requires_grad_(needs[0] or needs[1])  # (c, V) fp32
+                zc = softcap * torch.tanh(z / softcap) if softcap > 0 else z
+                out = fn(zc, *(a[i:i + chunk_size] for a in row_args))  # (c, k)
+                part = out[:, 0].sum()
+                g = torch.autograd.grad(part, z)[0] if (needs[0] or needs[1]) else None  # (c, V) fp32
+            total += part.detach()
+            extras.append(out[:, 1:].detach())
+            if needs[0]:
+                grad_h[i:i + chunk_size] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            if needs[1]:
+                grad_w.addmm_(g.t(), h.to(acc))  # (V, d) fp32 accumulator
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = weight.dtype
+        return total, torch.cat(extras) if extras else hidden.new_zeros(0, 0)
 
-    def chunk(h, *args):
-        z = (h @ weight.t()).float()  # (c, V)
-        if softcap > 0:
-            z = softcap * torch.tanh(z / softcap)
-        return fn(z, *args)
+    @staticmethod
+    def backward(ctx, g_total, g_extras):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = None if grad_h is None else grad_h * g_total.to(grad_h.dtype)
+        gw = None if grad_w is None else (grad_w * g_total).to(ctx.w_dtype)
+        return (gh, gw, None, None, None, None) + (None,) * (len(ctx.needs_input_grad) - 6)
 
-    c = chunk_size or max(16, auto_chunk_size(weight.shape[0]) // 4)
-    outs = [checkpoint(chunk, hidden[i:i + c], *(a[i:i + c] for a in row_args), use_reentrant=False)
-            if torch.is_grad_enabled() else chunk(hidden[i:i + c], *(a[i:i + c] for a in row_args))
-            for i in range(0, hidden.shape[0], c)]
-    return torch.cat(outs) if outs else hidden.new_zeros(0)
+
+def chunked_logits_sum(fn, hidden, weight, *row_args, softcap=0.0, chunk_size=0):
+    """Σ_rows fn(logits)[:, 0] for losses that need more than one target's probability per row (SCDD's correction
+    term sums over the whole vocabulary), never holding more than one chunk's (c, V) tensors: as in
+    chunked_cross_entropy, each chunk's gradient is computed during the forward pass (a local autograd graph over
+    that chunk's logits only, freed before the next chunk), into grad_hidden (N, d) and one fp32 grad_weight
+    accumulator (V, d); backward just scales them, so a graph supports a single backward.
+
+    fn(logits (c, V) fp32, *args_c) -> (c, k): column 0 is summed (and differentiated), columns 1.. are returned
+    as per-row statistics without gradient (e.g. argmax hits). hidden (N, d), weight (V, d); row_args are (N, ...)
+    tensors cut into the same chunks. softcap > 0 applies cap·tanh(z/cap) to the logits first. chunk_size = rows
+    per chunk, 0 = an eighth of auto_chunk_size(V) (fn keeps several (c, V) fp32 temporaries alive). Under autocast
+    the matmuls run in the autocast dtype, fn in fp32.
+    Returns (0-dim fp32 sum, (N, k-1) statistics). Twin: fn on the full logits, summed (the tests' reference)."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        with torch.autocast(dev, enabled=False):
+            return chunked_logits_sum(fn, hidden.to(dt), weight.to(dt), *row_args, softcap=softcap,
+                                      chunk_size=chunk_size)
+    assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1], \
+        f"kernels.py: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be (N, d) and (V, d)"
+    on = torch.is_grad_enabled()
+    needs = (on and hidden.requires_grad, on and weight.requires_grad)
+    c = chunk_size or max(16, auto_chunk_size(weight.shape[0]) // 8)
+    return _ChunkedLogitsSum.apply(hidden, weight, fn, float(softcap), int(c), needs, *row_args)
+
+
+def chunked_logits_sum_reference(fn, hidden, weight, *row_args, softcap=0.0):
+    """Twin of chunked_logits_sum: fn on the full (N, V) fp32 logits."""
+    z = (hidden @ weight.t()).float()
+    if softcap > 0:
+        z = softcap * torch.tanh(z / softcap)
+    out = fn(z, *row_args)
+    return out[:, 0].sum(), out[:, 1:].detach()
+
 
 # -----------------------------------------------------------------------------
 # attention masks: mask_mod(b, h, q_idx, kv_idx) -> bool, for flex_attention and (densely) for SDPA

@@ -22,7 +22,7 @@ Sample from the result (the exact-posterior ancestral sampler):
     python sample.py --checkpoint out-scdd --prompt "123+456"
 
 Forked from llada.py; changes: the corruption (schedule, mixed noise, discrete antithetic times), the loss (module
-SCDD, through kernels.chunked_logits_map instead of the fused CE), the exact NELBO in eval, the 'scdd' sampler.
+SCDD, through kernels.chunked_logits_sum instead of the fused CE), the exact NELBO in eval, the 'scdd' sampler.
 """
 import json
 import math
@@ -181,8 +181,8 @@ def nelbo_constants(x0, zt, t, K, *, mask_id, num_timesteps, **sched):
 class SCDD(nn.Module):
     """The HF model and the SCDD loss in one forward, so DDP/FSDP hooks see a single call per micro-step. The
     correction term needs x_θ at every visible token (a sum over the vocabulary per position), which the fused CE
-    cannot give: the vocabulary is reduced in checkpointed chunks (kernels.chunked_logits_map), so no fp32
-    (rows, V) tensor sits on the autograd tape."""
+    cannot give: the vocabulary is reduced chunk by chunk with each chunk's gradient computed in the forward pass
+    (kernels.chunked_logits_sum), so no fp32 (rows, V) tensor sits on the autograd tape."""
 
     def __init__(self, model, *, mask_id, num_timesteps, uniform_ratio, schedule_shape, schedule_peak, softcap=0.0,
                  chunk_size=0):
@@ -200,9 +200,10 @@ class SCDD(nn.Module):
         t = times[scored]  # (n,)
         co = posterior_coefficients(t, t - 1 / self.T, W.shape[0] - 1, **self.sched)
         co = torch.stack([co[k] for k in COEFS], -1).float()  # (n, 7)
-        out = kernels.chunked_logits_map(partial(loss_terms, mask_id=self.mask_id), h[scored], W, targets[scored],
-                                         input_ids[scored], co, softcap=self.softcap, chunk_size=self.chunk_size)
-        return self.T * out[:, 0].sum(), (out[:, 1] * noise[scored]).sum()
+        loss, hits = kernels.chunked_logits_sum(partial(loss_terms, mask_id=self.mask_id), h[scored], W,
+                                                targets[scored], input_ids[scored], co, softcap=self.softcap,
+                                                chunk_size=self.chunk_size)
+        return self.T * loss, (hits[:, 0] * noise[scored]).sum()
 
 # -----------------------------------------------------------------------------
 # corruption
@@ -525,7 +526,7 @@ if __name__ == '__main__':
     uniform_ratio = 0.1  # peak probability of a uniform (changed) token; 0 = MDLM masking
     schedule_shape = 1.0  # sharpness of the uniform bump c(t) = B t^a (1-t)^b, a + b = shape
     schedule_peak = 0.5  # time of the uniform bump's peak
-    chunk_size = 0  # positions per checkpointed vocabulary chunk of the loss (0 = auto from the vocab size)
+    chunk_size = 0  # positions per vocabulary chunk of the loss (0 = auto from the vocab size)
     # optimizer
     learning_rate = 2e-3  # peak AdamW learning rate
     max_iters = 2000  # optimizer steps

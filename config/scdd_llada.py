@@ -21,7 +21,7 @@ num_timesteps = 1000
 uniform_ratio = 0.1
 schedule_shape = 1.0
 schedule_peak = 0.5
-chunk_size = 1024  # NeMo's value: positions per checkpointed vocabulary chunk (1024 x 126464 fp32 = 0.5 GB each)
+chunk_size = 1024  # NeMo's value: positions per vocabulary chunk of the loss (1024 x 126464 fp32 = 0.5 GB each)
 learning_rate = 1e-5
 min_lr = 1e-6
 weight_decay = 0.1

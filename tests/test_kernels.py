@@ -281,3 +281,26 @@ def test_chunked_ce_under_autocast_matches_the_autocast_dtype():
     ref, _ = kernels.cross_entropy_reference(h.detach().bfloat16(), W.detach().bfloat16(), t)
     assert torch.allclose(loss, ref.float(), rtol=2e-2)
     assert h.grad.dtype == torch.float32 and W.grad.dtype == torch.float32 and h.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("softcap,chunk", [(0.0, 3), (2.5, 5), (0.0, 0)])
+def test_chunked_logits_sum_matches_the_full_logits(softcap, chunk):
+    # a per-row function that needs the whole vocabulary (a logsumexp, a sum of logs, a gather), values and grads
+    torch.manual_seed(0)
+    N, d, V = 13, 8, 37
+    h = torch.randn(N, d, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(V, d, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(V, (N,))
+    w = torch.rand(N, dtype=torch.float64)
+
+    def fn(z, t, w):
+        lp = torch.log_softmax(z, -1)
+        val = w * (torch.logaddexp(lp, torch.full_like(lp, -3.0)).sum(-1) - 2 * lp.gather(-1, t[:, None])[:, 0])
+        return torch.stack([val, (lp.argmax(-1) == t).double()], -1)
+
+    got, hits = kernels.chunked_logits_sum(fn, h, W, t, w, softcap=softcap, chunk_size=chunk)
+    gh, gw = torch.autograd.grad(3.0 * got, (h, W))
+    ref, hits_ref = kernels.chunked_logits_sum_reference(fn, h, W, t, w, softcap=softcap)
+    rh, rw = torch.autograd.grad(3.0 * ref, (h, W))
+    assert torch.allclose(got.double(), ref, rtol=1e-6) and torch.equal(hits, hits_ref)
+    assert torch.allclose(gh, rh, atol=1e-6) and torch.allclose(gw, rw, atol=1e-6)

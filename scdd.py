@@ -281,8 +281,11 @@ def make_batch(examples, seeds, times, *, pad_id, eos_id, mask_id, vocab_size, m
     field = lambda ids, vals: pack_rows([(ids[i, :k], vals[i, :k]) for i, k in enumerate(n)], seq_len=max_seq_len,
                                         pad_id=pad_id)
     p0, pt = field(x0, lm), field(xt, noise.float())
-    pw = field(x0, times[:, None].expand(x0.shape).contiguous())
-    return dict(input_ids=pt['input_ids'], targets=p0['input_ids'], times=pw['loss_mask'].double(),
+    # the times travel as example numbers (exact in pack's float field) and are looked up in float64 after packing
+    pe = field(x0, (torch.arange(len(n), dtype=torch.float32)[:, None] + 1).expand(x0.shape).contiguous())
+    e = pe['loss_mask'].long()  # (R, T) 1 + the example at each packed position, 0 for padding
+    packed_times = torch.where(e > 0, times[(e - 1).clamp_min(0)], 0.0)
+    return dict(input_ids=pt['input_ids'], targets=p0['input_ids'], times=packed_times,
                 scored=p0['loss_mask'].bool(), loss_mask=p0['loss_mask'], noise=pt['loss_mask'].bool(),
                 doc_ids=p0['doc_ids'], position_ids=p0['position_ids'])
 

@@ -161,3 +161,30 @@ def test_raw_text_trains_on_windows(script, tmp_path):
     assert sups == [4 * (32 if script == 'llada.py' else 31)] * 2, r.stdout  # ar: the last token has no target
     assert 'raw text (no prompts)' in r.stdout and re.search(r'eval step 2 \| val_loss \d', r.stdout)
     assert 'accuracy' not in r.stdout.split('eval step 2')[1]
+
+
+def test_scdd_packing_reproduces_the_padded_loss():
+    # scdd.py: each example is corrupted (and gets its time) as its own row before packing, so the packed loss with
+    # per-document attention equals the padded one with pad keys masked
+    import scdd
+    ex = examples(9)
+    model = tiny(True)
+    sched = dict(uniform_ratio=0.3, schedule_shape=1.0, schedule_peak=0.5)
+    t = torch.linspace(0.1, 0.9, 9, dtype=torch.float64)
+    kw = dict(pad_id=PAD, eos_id=EOS, mask_id=MASK, vocab_size=V, max_seq_len=24, supervise_padding=False, **sched)
+    padded = scdd.make_batch(ex, torch.arange(9) + 11, t, **kw)
+    packed = scdd.make_batch(ex, torch.arange(9) + 11, t, pack=True, **kw)
+    assert packed['input_ids'].shape[0] < padded['input_ids'].shape[0], 'nothing was packed'
+    assert packed['loss_mask'].sum() == padded['loss_mask'].sum() and packed['noise'].sum() == padded['noise'].sum()
+    assert torch.equal(packed['times'][packed['scored']].sort().values, padded['times'][padded['scored']].sort().values)
+    module = scdd.SCDD(model, mask_id=MASK, num_timesteps=1000, **sched)
+    loss = lambda mb, attn, pos=None: module(mb['input_ids'], mb['targets'], mb['times'], mb['scored'], mb['noise'],
+                                             attn, pos)[0]
+    B, T = padded['input_ids'].shape
+    valid = torch.arange(T)[None] < torch.tensor([len(i) for i, _ in ex])[:, None]  # (B, T)
+    with torch.no_grad():
+        a = loss(padded, kernels.dense_mask(kernels.bidirectional(valid), B, T, T))
+        b = loss(packed, scdd.attention_for(model, packed, 'cpu'), packed['position_ids'])
+        c = loss(packed, None, packed['position_ids'])
+    assert torch.allclose(a, b, rtol=1e-5), (a, b)
+    assert not torch.allclose(a, c, rtol=1e-4)  # the document mask is what makes it exact

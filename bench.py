@@ -10,6 +10,7 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py --only=sample        # llada decoding: reference vs threshold vs prefix / dual KV cache, and
                                          # at batch 1 the reference setting vs a plain twin of LLaDA's loop
     python bench.py --only=sample --checkpoint=out-llada-sudoku --val=data/sudoku/val.jsonl --threshold=0.9,0.999
+    python bench.py --only=nemotron      # hybrid.py decoding: the exact KV cache vs the uncached block sampler, + AR mode
     python bench.py --only=gpu           # every CUDA path of a llada step (flex, bf16, compile, FSDP2) checked against
                                          # its reference, then tokens/s + MFU of a ~0.5B model; exits 1 if a check fails
     python bench.py --only=gpu --toy     # the same at a tiny size (the default on CPU, where flex runs forward only)
@@ -428,6 +429,65 @@ def sample_need_mib(variant, args):
 
 
 # -----------------------------------------------------------------------------
+# nemotron: a hybrid.py checkpoint decoded by the nemotron sampler, the exact KV cache vs the uncached block sampler
+# (every forward over the whole sequence, kernels.causal_prefix), and AR mode on the same model. The cache must
+# decode the very same tokens; the row says so.
+
+NEMOTRON_VARIANTS = ['uncached', 'cached', 'ar']
+
+
+def nemotron_child(variant, args):
+    import sample
+    if not os.path.isdir(args.hybrid_checkpoint):
+        return {'error': f"skipped: no checkpoint {args.hybrid_checkpoint!r} (run python hybrid.py "
+                         f"config/hybrid_sudoku.py)"}
+    torch.manual_seed(0)
+    model, tok, meta = sample.load_checkpoint(args.hybrid_checkpoint)
+    records = sample.read_records(args.hybrid_val)[:args.n_prompts]
+    opts = sample.sampler_options('nemotron', meta, {})
+    opts.update({'uncached': dict(cache='none'), 'cached': dict(cache='prefix'), 'ar': dict(mode='ar')}[variant])
+    prompts = [sample.encode_prompt(tok, q, raw=False) for q, *_ in records]
+    run = lambda ps, st: sample.generate(model, ps, sampler='nemotron', pad_id=meta['pad_id'], eos_id=meta['eos_id'],
+                                         mask_id=meta['mask_id'], stats=st, **opts)
+    runs = []
+    for _ in range(args.iters):
+        run(prompts[:args.sample_batch], {})  # warm-up
+        stats, outs = {}, []
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(0, len(prompts), args.sample_batch):
+            outs += run(prompts[i:i + args.sample_batch], stats)
+        runs.append({'wall': time.perf_counter() - t0, 'cpu_s': time.process_time() - c0, **stats})
+    r = sorted(runs, key=lambda r: r['wall'])[len(runs) // 2]
+    tokens = sum(len(o) for o in outs)
+    correct = sum(tok.decode(o).strip() == a.strip() for o, (_, a, _) in zip(outs, records))
+    return {**r, 'opts': opts, 'n': len(records), 'tokens': tokens, 'accuracy': 100 * correct / len(records),
+            'outs': outs}
+
+
+def nemotron_report(results, args):
+    print(f"nemotron: {args.hybrid_checkpoint}, first {args.n_prompts} prompts of {args.hybrid_val}, batch "
+          f"{args.sample_batch}, greedy, median of {args.iters} runs (each after a warm-up batch), "
+          f"{torch.get_num_threads()} threads")
+    ref = results.get('uncached')
+    ok = ref is not None and 'error' not in ref
+    header = ("| variant | settings | accuracy | NFE/prompt | tokens/forward | generated tok/s | CPU s | "
+              "tok/s vs uncached | same tokens as uncached |")
+    for v, r in measured(results, header):
+        o = r['opts']
+        s = ('AR, KV cache' if o['mode'] == 'ar' else
+             f"gen {o['gen_length']}, block {o['block_length']}, steps {o['steps']}, threshold {o['threshold']}, "
+             f"{'exact KV cache' if o['cache'] == 'prefix' else 'no cache'}")
+        same = ('yes' if r['outs'] == ref['outs'] else 'NO') if ok and o['mode'] != 'ar' else '-'
+        speed = f"{(r['tokens'] / r['wall']) / (ref['tokens'] / ref['wall']):.2f}x" if ok else '-'
+        print(f"| {v} | {s} | {r['accuracy']:.1f}% | {r['row_nfe'] / r['n']:.2f} | {r['tokens'] / r['row_nfe']:.2f} "
+              f"| {r['tokens'] / r['wall']:,.0f} | {r['cpu_s']:.2f} | {speed} | {same} |")
+
+
+def nemotron_need_mib(variant, args):
+    return 0
+
+
+# -----------------------------------------------------------------------------
 # gpu: every CUDA path of a llada training step, each against its reference in the same run: flex_attention with a
 # BlockMask vs SDPA with the dense mask, bf16 autocast vs fp32, torch.compile vs eager, FSDP2 (a world of 1) vs the
 # unsharded step; then tokens/s and MFU of a ~0.5B model at T=2048. Run it once on a GPU and paste the table.
@@ -721,6 +781,7 @@ SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'train': (TRAIN_VARIANTS, train_child, train_report, train_need_mib),
             'pack': (PACK_VARIANTS, pack_child, pack_report, pack_need_mib),
             'sample': (sample_variants, sample_child, sample_report, sample_need_mib),
+            'nemotron': (NEMOTRON_VARIANTS, nemotron_child, nemotron_report, nemotron_need_mib),
             'gpu': (GPU_CHECKS, gpu_child, gpu_report, gpu_need_mib)}
 
 # -----------------------------------------------------------------------------
@@ -753,6 +814,8 @@ def parse_args(argv=None):
     p.add_argument('--n_batch1', type=int, default=100, help='sample: prompts decoded one at a time (batch-1 row)')
     p.add_argument('--threshold', default='0.9', help='sample: Fast-dLLM confidence threshold(s), comma-separated')
     p.add_argument('--cache_block', type=int, default=0, help='sample: block length of the cached variants (0 = largest divisor <= gen/2)')
+    p.add_argument('--hybrid_checkpoint', default='out-hybrid-sudoku', help='nemotron: a trained hybrid out_dir')
+    p.add_argument('--hybrid_val', default='data/sudoku/val.jsonl', help='nemotron: chat JSONL prompts with answers')
     p.add_argument('--toy', action=argparse.BooleanOptionalAction, default=None,
                    help='gpu: tiny sizes (default on CPU; --no-toy forces the full sizes)')
     p.add_argument('--peak_tflops', type=float, default=989, help='gpu: peak bf16 dense TFLOPS for MFU (H200: 989)')

@@ -316,17 +316,30 @@ def block_causal(block_size, key_valid=None):
     return mask_mod
 
 
-def block_diffusion(L, block_size, key_valid=None, causal_in_block=False):
+def causal_prefix(start, key_valid=None):
+    """Causal before `start`, then one bidirectional block: queries q < start see valid keys kv <= q (the clean,
+    causally encoded prefix), queries q >= start see every valid key (the block being denoised; the forward ends
+    at the block's end). The nemotron sampler's uncached block forward, equal to its KV-cached one.
+    No fully-masked row: the diagonal is always kept."""
+    def mask_mod(b, h, q, kv):
+        return (((kv <= q) | (q >= start)) & _key_ok(key_valid, b, kv)) | (q == kv)
+    return mask_mod
+
+
+def block_diffusion(L, block_size, key_valid=None, causal_in_block=False, offset=None):
     """[x_t | x_0] layout of length 2L (block diffusion training, reference §7 / bd3lms).
     x_t queries see x_t keys of their own block (and kv <= q if causal_in_block: I-DLM) plus x_0 keys
     of strictly earlier blocks; x_0 queries see x_0 keys causally (k <= q). Blocks count from position 0
-    of each copy. key_valid (B, L) applies to keys of both copies (k mod L).
+    of each copy, or from position -offset[b] with offset (B,) long (row b's block of position i is
+    (i + offset[b]) // block_size: hybrid.py's block_origin='response' starts a block at each response).
+    key_valid (B, L) applies to keys of both copies (k mod L).
     No fully-masked row: the diagonal (x_t[i] -> x_t[i], x_0[i] -> x_0[i]) is always kept."""
     def mask_mod(b, h, q, kv):
         q_xt, k_xt = q < L, kv < L
         qq = torch.where(q_xt, q, q - L)  # position inside its copy
         kk = torch.where(k_xt, kv, kv - L)
-        bq, bk = qq // block_size, kk // block_size
+        o = 0 if offset is None else offset[b]
+        bq, bk = (qq + o) // block_size, (kk + o) // block_size
         own = bq == bk
         if causal_in_block:
             own = own & (kk <= qq)

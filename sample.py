@@ -89,14 +89,16 @@ def infill_of(name, **declared):
 
 OPTIONS = {  # every sampler option the command line takes: (type, help). A sampler's preset says which it takes.
     'gen_length': (int, "tokens to generate (a checkpoint's meta.json overrides the preset lengths)"),
-    'steps': (int, 'denoising steps: in total for llada and infill, per block for llada2'),
+    'steps': (int, 'denoising steps: in total for llada and infill, per block for llada2 and nemotron'),
     'block_length': (int, 'semi-autoregressive block length (infill: 0 = the whole prompt)'),
     'temperature': (float, 'sampling temperature, 0 = greedy'),
     'remasking': (str, "which masked positions to commit: 'low_confidence' or 'random'"),
     'threshold': (float, 'parallel decoding: also commit every masked position with confidence >= t (llada: '
                          '0 = off) or > t (llada2), in [0, 1]'),
     'early_stop': (bool, 'a row is done once it has committed EOS with nothing masked before it'),
-    'cache': (str, "Fast-dLLM KV cache: 'none', 'prefix' or 'dual' (approximate)"),
+    'cache': (str, "KV cache: llada (Fast-dLLM, approximate) 'none', 'prefix' or 'dual'; nemotron (exact) "
+                   "'prefix' or 'none' (the uncached reference)"),
+    'mode': (str, "nemotron: 'diffusion' (block diffusion) or 'ar' (next-token decoding, the same model)"),
     'editing_threshold': (float, 'T2T editing threshold (default off; 0.0 = edit whenever the argmax changes)'),
     'max_post_steps': (int, 'post-edit steps per block'),
     'uniform_ratio': (float, "scdd: the schedule's peak uniform-noise share (from meta.json: must match training)"),
@@ -524,6 +526,8 @@ def sample_ar(model, x, *, prompt_mask=None, gen_length=128, steps=0, block_leng
         else:
             logits = forward_logits(model, r.x[:, :hi], r.key_valid[:, :hi], causal=True, keep=1)[:, -1]
         _count(stats, r.n)
+        if mask_id >= 0:  # [MASK] is an input token of diffusion models, never an answer (hybrid.py's AR mode)
+            logits[:, mask_id] = -torch.inf
         nxt = kernels.add_gumbel_noise(logits, temperature, generator).argmax(-1)  # (B,)
         check_finite(logits.gather(-1, nxt[:, None]).double())  # a NaN logit wins the argmax; so does +inf
         if eos_id >= 0:
@@ -624,6 +628,104 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
         r.x[:, P:] = new
         if callback is not None:
             r.report(callback, changed, P)
+    return r.done()
+
+
+@sampler('nemotron', families=('hybrid',),
+         preset=dict(gen_length=128, block_length=32, steps=32, temperature=0.0, threshold=0.9, early_stop=True,
+                     mode='diffusion', cache='prefix'))
+@torch.no_grad()
+def sample_nemotron(model, x, *, prompt_mask=None, gen_length=128, block_length=32, steps=32, temperature=0.0,
+                    threshold=0.9, early_stop=True, mode='diffusion', cache='prefix', mask_id, eos_id=-1,
+                    generator=None, stats=None, callback=None):
+    """Nemotron-Labs-Diffusion decoding of a hybrid (hybrid.py) checkpoint: block diffusion against an exact KV
+    cache (methods.md §5.1 generate_dllm, reference §10.5), or mode='ar': plain KV-cached AR decoding (sample_ar)
+    of the same causal model.
+
+    Blocks of block_length after the prompt, one at a time. Each block starts with one CAUSAL forward: the prompt
+    (the prefill) or the previous block, appending its K/V to the cache; its last logits commit the block's first
+    token autoregressively (Nemotron: "each block's first token is AR-seeded from the causal forward's last
+    logit"). Then the block's other block_length - 1 slots, [MASK]ed, are denoised: each step forwards only the
+    block, bidirectional inside it, against the cached prefix (read-only: what it appends is cropped), proposes
+    x0 = argmax(logits + Gumbel/T) at the same positions (no shift: hybrid.py trains same-position labels) and
+    commits
+      threshold t > 0: every masked slot with confidence >= t, at least the even schedule's quota over
+                   min(steps, block_length - 1) steps (1 when steps >= block_length - 1: Fast-dLLM's top-1);
+      threshold 0: the even schedule alone.
+    A block sees the clean prefix before it, causally encoded, and nothing after it: what hybrid.py trains an x_t
+    block to see when the training blocks start at the response (block_origin='response'). The cache is EXACT:
+    cache='none' recomputes every forward over the whole sequence (kernels.causal_prefix: causal up to the block,
+    bidirectional in it) and decodes the same tokens (tested).
+    NFE per block: 1 causal + the denoising steps. early_stop: a row is done once it has an EOS with nothing
+    masked before it; done rows leave the batch with their cache rows (Rows), as in sample_llada.
+    Returns (B, P + gen_length)."""
+    check_common(temperature, mask_id, threshold)
+    need(mode in ('diffusion', 'ar'), f"mode must be 'diffusion' or 'ar', got {mode!r}")
+    need(cache in ('prefix', 'none'), f"cache must be 'prefix' (exact) or 'none' for nemotron, got {cache!r}")
+    if mode == 'ar':
+        return sample_ar(model, x, prompt_mask=prompt_mask, gen_length=gen_length, temperature=temperature,
+                         mask_id=mask_id, eos_id=eos_id, generator=generator, use_cache=cache == 'prefix',
+                         stop_at_eos=early_stop, stats=stats, callback=callback)
+    check_blocks(gen_length, block_length)
+    need(steps >= 1, f'steps (per block) must be >= 1, got {steps}')
+    threshold = threshold or None  # 0 = the even schedule
+    B, P = x.shape
+    bl, cached = block_length, cache == 'prefix'
+    x, key_valid, pos, _ = make_canvas(x, prompt_mask, gen_length, mask_id)  # (B, T) each
+    padded = not bool(key_valid.all())
+    r = Rows(x, P, mask_id, eos_id, key_valid=key_valid, pos=pos, kv=hf.new_cache() if cached else None)
+    quota = even_schedule(bl - 1, min(steps, bl - 1), at_least=0 if threshold is None else 1) if bl > 1 else ()
+    eos_stop = early_stop and eos_id >= 0
+
+    def step_done(commit, lo, last):
+        """After a commit at [lo, lo + n): report it; rows whose response is final leave the batch. -> (the run is
+        over, the remaining rows' block is full (B',) on the host)."""
+        if callback is not None:
+            r.report(callback, commit, lo)
+        full = (r.x[:, lo:lo + bl] != mask_id).all(1)  # (B',)
+        fin = full & last
+        if eos_stop:
+            fin |= eos_finished(r.x[:, P:], mask_id, eos_id)
+        full, fin = torch.stack([full, fin]).cpu()
+        if fin.any():
+            if r.retire(fin) == 0:
+                return True, full[:0]
+            full = full[~fin]
+        return False, full
+
+    for nb in range(gen_length // bl):
+        lo, hi, last = P + nb * bl, P + (nb + 1) * bl, nb == gen_length // bl - 1
+        # the causal forward before the block: the prompt (prefill) or the previous block, into the cache
+        a = 0 if nb == 0 else lo - bl
+        if cached:
+            mask = query_mask(r.key_valid[:, :lo], lo - a, causal=True) if padded else None
+            logits = hf.forward(model, r.x[:, a:lo], mask=mask, pos=r.pos[:, a:lo], keep=1, cache=r.kv)
+        else:
+            logits = forward_logits(model, r.x[:, :lo], r.key_valid[:, :lo], causal=True, keep=1)
+        _count(stats, r.n)
+        x0, _ = propose(logits, temperature, 'low_confidence', generator, mask_id)  # (B, 1): the AR seed
+        r.x[:, lo] = x0[:, 0]
+        over, full = step_done(torch.ones_like(x0, dtype=torch.bool), lo, last and bl == 1)
+        if over:
+            return r.out
+        for k in quota:  # denoise the block's masked slots
+            if threshold is not None and bool(full.all()):
+                break  # every remaining row's block is full
+            if cached:
+                logits = hf.forward(model, r.x[:, lo:hi], mask=query_mask(r.key_valid[:, :hi], bl),
+                                    pos=r.pos[:, lo:hi], cache=r.kv)  # (B, bl, V)
+                hf.crop(r.kv, lo)
+            else:
+                mask = kernels.dense_mask(kernels.causal_prefix(lo, r.key_valid[:, :hi]), r.n, hi, hi, x.device)
+                logits = hf.forward(model, r.x[:, :hi], mask=mask, pos=r.pos[:, :hi], keep=bl)
+            _count(stats, r.n)
+            x0, conf = propose(logits, temperature, 'low_confidence', generator, mask_id)  # (B, bl) each
+            blk = r.x[:, lo:hi]
+            commit = select(conf, blk == mask_id, k, threshold)
+            r.x[:, lo:hi] = torch.where(commit, x0, blk)
+            over, full = step_done(commit, lo, last)
+            if over:
+                return r.out
     return r.done()
 
 

@@ -37,6 +37,8 @@ LAYOUTS = {  # name -> (bidirectional model?, mask_mod factory of (B, T), positi
     'block_causal': (True, lambda B, T: kernels.block_causal(4, key_valid(B, T)), None),
     'block_diffusion': (True, lambda B, T: kernels.block_diffusion(T // 2, 4, key_valid(B, T // 2)),
                         lambda B, T: torch.arange(T // 2).repeat(2).expand(B, T)),
+    'block_diffusion_offset': (False, lambda B, T: kernels.block_diffusion(T // 2, 8, offset=torch.tensor([3, 5])),
+                               lambda B, T: torch.arange(T // 2).repeat(2).expand(B, T)),  # hybrid.py: causal model
     'dflash': (True, lambda B, T: dflash_self(T - 8, 4, torch.tensor([[30, 90], [50, 119]])), None),
     'packed_causal': (False, lambda B, T: kernels.document(kernels.causal(), *(torch.arange(T).div(10, rounding_mode='floor').expand(B, T),) * 2),
                       lambda B, T: (torch.arange(T) % 10).expand(B, T)),

@@ -201,6 +201,25 @@ def test_block_diffusion(bs, causal_in_block):
             assert torch.equal(m[1, 0, i], want), f"x_t[{i}] row {m[1, 0, i].int().tolist()}"
 
 
+def test_block_diffusion_offset_and_causal_prefix():
+    # hybrid.py's response-aligned grid: row b's block of position i is (i + off[b]) // bs
+    L, bs, v, off = 8, 3, VALID, torch.tensor([2, 0])
+
+    def pred(b, q, k):
+        o = off[b].item()
+        bq, bk = ((q % L) + o) // bs, ((k % L) + o) // bs
+        if q < L and k < L:
+            ok = bq == bk
+        elif q < L:
+            ok = bq > bk
+        else:
+            ok = k >= L and k <= q
+        return (ok and v[b, k % L]) or q == k
+    _check(kernels.block_diffusion(L, bs, v, offset=off), pred, 2, 2 * L, 2 * L)
+    # the nemotron sampler's uncached forward: causal before `start`, every valid key from `start` on
+    _check(kernels.causal_prefix(5, v), lambda b, q, k: ((k <= q or q >= 5) and v[b, k]) or q == k, 2, 8, 8)
+
+
 @pytest.mark.parametrize("causal,window,keep_all", [(False, 0, True), (True, 0, False), (False, 3, False)])
 def test_dflash(causal, window, keep_all):
     C, bs = 9, 3
@@ -240,6 +259,7 @@ def test_flex_matches_sdpa_cpu():
     cases = [
         (kernels.block_diffusion(L, 2, VALID), 2 * L, 2 * L),
         (kernels.document(kernels.block_diffusion(L, 2, VALID, causal_in_block=True), doc2, doc2), 2 * L, 2 * L),
+        (kernels.block_diffusion(L, 3, offset=torch.tensor([1, 2])), 2 * L, 2 * L),
         (kernels.dflash(L, 4, anchors, torch.tensor([[True, False], [True, True]]), sliding_window=3), 8, L + 8),
     ]
     for mask_mod, Q, K in cases:

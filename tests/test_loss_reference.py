@@ -157,3 +157,47 @@ def test_scdd_logged_loss_is_the_nelbo_over_global_supervised_count(data_dir, tm
             den += float(lm.sum())
     assert kinds == {'masked', 'clean', 'changed'}
     check(out, num, den, model)
+
+
+def test_hybrid_logged_loss_is_alpha_diffusion_over_corrupted_plus_ar_over_supervised(data_dir, tmp_path):
+    # the reference: full (B, 2L, V) logits of a plain forward over [x_t | x_0] under the script's mask, then
+    # F.cross_entropy: x_t rows against the same-position clean token with 1/p, / the global corrupted count, times
+    # alpha; x_0 rows i against token i + 1 where it is supervised, / the global supervised count
+    import hybrid
+    from data.loader import TokenDataset
+    out = str(tmp_path / 'out')
+    run('hybrid.py', f'--data_dir={data_dir}', f'--out_dir={out}', '--ar_loss_alpha=0.7', *ARGS, *TINY)
+    cfg = ckpt(out)['config']
+    assert cfg['gradient_accumulation_steps'] == 2 and cfg['block_size'] > 0
+    ds = TokenDataset(data_dir, 'train')
+    meta = ds.meta
+    model = initial_model(cfg, meta, bidirectional=False)
+    global_batch = cfg['batch_size'] * cfg['gradient_accumulation_steps']
+    fill = hybrid.fill_length(cfg['seed'], 0, cfg['eos_fill'])
+    d_num = a_num = n_noise = n_sup = 0.0
+    with torch.no_grad():
+        for examples, rows in micro_batches(cfg, ds):
+            mb = hybrid.make_batch(examples, hybrid.corruption_seeds(cfg['seed'], 0, rows, global_batch),
+                                   pad_id=meta['pad_id'], eos_id=meta['eos_id'], mask_id=cfg['mask_id'],
+                                   eps=cfg['eps'], max_seq_len=cfg['max_seq_len'], block_size=cfg['block_size'],
+                                   corruption=cfg['corruption'],
+                                   half_life_ratio=cfg['half_life_ratio'], block_origin=cfg['block_origin'],
+                                   fill_to=fill, pad_block_size=cfg['pad_block_size'],
+                                   pad_seq_len_divisible=cfg['pad_seq_len_divisible'],
+                                   supervise_padding=cfg['supervise_padding'])
+            x0, xt, w, lm = mb['x0'], mb['xt'], mb['weights'], mb['loss_mask']
+            B, L = x0.shape
+            corrupted = xt == cfg['mask_id']
+            assert torch.equal(w > 0, corrupted) and (w[corrupted] > 1).all()
+            pos = torch.arange(L).repeat(2).expand(B, 2 * L)
+            mask = hybrid.attention_for(model, mb, 'cpu', cfg['block_size'])
+            logits = model(input_ids=torch.cat([xt, x0], 1), attention_mask=mask, position_ids=pos).logits.double()
+            ce = F.cross_entropy(logits[:, :L].flatten(0, 1), x0.flatten(), reduction='none').view(B, L)
+            d_num += float((ce * w.double()).sum())
+            ce = F.cross_entropy(logits[:, L:-1].flatten(0, 1), x0[:, 1:].flatten(), reduction='none')
+            a_num += float((ce * lm[:, 1:].flatten().double()).sum())
+            n_noise += float(corrupted.sum())  # the EOS fill's [MASK]s included
+            n_sup += float(lm.sum())
+    assert 0 < n_noise != n_sup
+    ref = 0.7 * d_num / n_noise + a_num / n_sup
+    check(out, ref * n_sup, n_sup, model)  # check() compares the logged loss with num / den and sup with den

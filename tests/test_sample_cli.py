@@ -40,8 +40,10 @@ def ckpt(tmp_path_factory):
                          ('ar', {'sampler': 'ar', 'gen_length': 4}),
                          ('scdd', {'sampler': 'scdd', 'gen_length': 4, 'steps': 4, 'temperature': 0.0,
                                    'num_timesteps': 1000, 'uniform_ratio': 0.1, 'schedule_shape': 1.0,
-                                   'schedule_peak': 0.5})]:
-        tiny(tok.vocab_size, family != 'ar').save_pretrained(d / family / 'hf')
+                                   'schedule_peak': 0.5}),
+                         ('hybrid', {'sampler': 'nemotron', 'gen_length': 4, 'block_length': 2, 'steps': 2,
+                                     'threshold': 0.9})]:
+        tiny(tok.vocab_size, family not in ('ar', 'hybrid')).save_pretrained(d / family / 'hf')
         (d / family / 'hf' / 'meta.json').write_text(json.dumps({**tok.meta(), 'family': family, **meta}))
     (d / 'llada' / 'ckpt.pt').write_bytes(b'')  # only its name matters here
     (d / 'val.jsonl').write_text(''.join(record(f'{i}+1', f'{i + 1}') for i in range(6)))
@@ -127,7 +129,9 @@ def test_sampler_of_another_family_needs_force(ckpt, capsys):
     ('llada', ('--sampler', 'llada', '--threshold', '0.9', '--cache', 'dual', '--block_length', 2)),
     ('llada', ('--sampler', 'llada2')),
     ('ar', ('--sampler', 'ar', '--gen_length', 3)),
-    ('scdd', ('--sampler', 'scdd', '--steps', 2, '--early_stop'))])
+    ('scdd', ('--sampler', 'scdd', '--steps', 2, '--early_stop')),
+    ('hybrid', ('--sampler', 'nemotron', '--cache', 'none')),
+    ('hybrid', ('--sampler', 'nemotron', '--mode', 'ar'))])
 def test_cli_eval_one_line(ckpt, capsys, family, args):
     code, out, err = run_main(capsys, '--checkpoint', ckpt / family, '--eval', ckpt / 'val.jsonl', '--batch_size',
                               4, *args)
@@ -141,7 +145,7 @@ def test_cli_eval_one_line(ckpt, capsys, family, args):
 
 def test_readme_eval_line_is_the_real_format():
     text = open(os.path.join(ROOT, 'README.md')).read()
-    lines = re.findall(r'`((?:llada|llada2|ar|scdd) \| accuracy[^`]*)`', text)
+    lines = re.findall(r'`((?:llada|llada2|ar|scdd|nemotron) \| accuracy[^`]*)`', text)
     assert lines and all(re.match(EVAL_LINE + '$', ln) for ln in lines), lines
 
 
@@ -309,3 +313,21 @@ def test_cli_scdd_options(ckpt, capsys):
         assert one_line_error(code, err, msg), (args, err)
     code, out, err = run_main(capsys, '--checkpoint', ckpt / 'llada', '--sampler', 'scdd', '--prompt', '1+2')
     assert one_line_error(code, err, "sampler 'scdd' decodes scdd checkpoints, not 'llada'"), err
+
+
+def test_cli_nemotron_options(ckpt, capsys):
+    # a hybrid checkpoint decodes with nemotron by default (its lengths from meta.json); what does not apply is refused
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'hybrid', '--prompt', '1+2')
+    assert code == 0 and out.startswith('1+2 -> '), err
+    code, ar, err = run_main(capsys, '--checkpoint', ckpt / 'hybrid', '--prompt', '1+2', '--mode', 'ar')
+    code2, ref, err = run_main(capsys, '--checkpoint', ckpt / 'hybrid', '--prompt', '1+2', '--sampler', 'ar',
+                               '--gen_length', 4, '--force')
+    assert code == code2 == 0 and ar == ref, (ar, ref)  # AR mode is plain AR decoding of the same model
+    for args, msg in [(('--cache', 'dual'), "cache must be 'prefix' (exact) or 'none' for nemotron"),
+                      (('--remasking', 'random'), "--remasking does not apply to sampler 'nemotron'"),
+                      (('--mode', 'spec'), "mode must be 'diffusion' or 'ar'"),
+                      (('--block_length', 3), 'gen_length=4 is not a multiple of block_length=3')]:
+        code, out, err = run_main(capsys, '--checkpoint', ckpt / 'hybrid', '--prompt', '1+2', *args)
+        assert one_line_error(code, err, msg), (args, err)
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'llada', '--sampler', 'nemotron', '--prompt', '1+2')
+    assert one_line_error(code, err, "sampler 'nemotron' decodes hybrid checkpoints, not 'llada'"), err

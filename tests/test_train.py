@@ -1,4 +1,4 @@
-"""End-to-end runs of the family scripts (llada.py, ar.py, scdd.py) on a tiny model and a small synthetic dataset:
+"""End-to-end runs of the family scripts (llada.py, ar.py, scdd.py, hybrid.py) on a tiny model and a small synthetic dataset:
 the loss goes down, resume is bit-exact, the checkpoint and the HF export load and sample.py decodes from them with
 the sampler they name, bad input fails with one line,
 and 2-process gloo DDP / FSDP2 with 2 micro-steps each give the gradients of 1 process with 4 accumulation steps.
@@ -43,7 +43,7 @@ def ckpt(out_dir):
     return torch.load(os.path.join(out_dir, 'ckpt.pt'), map_location='cpu', weights_only=True)
 
 
-@pytest.fixture(scope='module', params=['llada.py', 'ar.py', 'scdd.py'])
+@pytest.fixture(scope='module', params=['llada.py', 'ar.py', 'scdd.py', 'hybrid.py'])
 def trained(request, data_dir, tmp_path_factory):
     """(script, out_dir, stdout) of a 40-step tiny run, shared by the tests that read what it wrote."""
     script = request.param
@@ -63,7 +63,7 @@ def test_tiny_run_learns(trained):
     assert not any(k.startswith(('_orig_mod.', 'module.', 'model.model.model')) for k in c['model']), list(c['model'])[:3]
 
 
-@pytest.mark.parametrize('script', ['llada.py', 'scdd.py'])
+@pytest.mark.parametrize('script', ['llada.py', 'scdd.py', 'hybrid.py'])
 def test_resume_is_bit_exact(data_dir, tmp_path, script):
     a, b = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
     common = [f'--data_dir={data_dir}', '--lr_decay_iters=6', '--eval_samples=0', *TINY]
@@ -99,17 +99,21 @@ def test_round_trip_train_export_sample(trained):
     plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     x = torch.randint(0, 256, (2, 12))
     assert torch.allclose(plain(x).logits, ref.eval()(x).logits, atol=1e-6)
-    assert plain.config.is_causal is (family == 'ar')  # llada: still a bidirectional denoiser
+    assert plain.config.is_causal is (family in ('ar', 'hybrid'))  # llada: still a bidirectional denoiser
     with open(os.path.join(hf_dir, 'meta.json')) as f:
         meta = json.load(f)
-    assert meta['family'] == family and meta['sampler'] == {'llada': 'llada', 'ar': 'ar', 'scdd': 'scdd'}[family]
-    if family in ('llada', 'scdd'):
+    assert meta['family'] == family and meta['sampler'] == {'llada': 'llada', 'ar': 'ar', 'scdd': 'scdd',
+                                                            'hybrid': 'nemotron'}[family]
+    if family in ('llada', 'scdd', 'hybrid'):
         assert meta['mask_id'] == c['mask_id']
     model, tok, meta = sample.load_checkpoint(out)
     opts = sample.sampler_options(meta['sampler'], meta, {})
-    for k in ('gen_length', 'block_length', 'steps', 'uniform_ratio', 'num_timesteps'):  # as the run was evaluated
-        if k in meta:
-            assert opts[k] == meta[k] == c['config'][k], k
+    cfg = dict(c['config'])
+    if family == 'hybrid':  # block_length 0: the block size (or the whole canvas)
+        cfg['block_length'] = cfg['block_length'] or cfg['block_size'] or cfg['gen_length']
+    for k in ('gen_length', 'block_length', 'steps', 'uniform_ratio', 'num_timesteps', 'threshold'):  # as the run
+        if k in meta:  # was evaluated
+            assert opts[k] == meta[k] == cfg[k], k
     texts = ['12+34', '5+6', '123+456', '999+1']
     prompts = [sample.encode_prompt(tok, t, raw=False) for t in texts]
     gen = lambda eos_id, ps=prompts: sample.generate(  # seeded: scdd's ancestral steps draw noise
@@ -126,7 +130,7 @@ def test_round_trip_train_export_sample(trained):
         assert isinstance(o, list) and all(type(t) is int for t in o) and len(o) <= opts['gen_length'], o
         assert all(type(t) is int for t in f) and len(f) == opts['gen_length'], f
         assert meta['eos_id'] not in o, o
-        if family in ('llada', 'scdd'):
+        if family in ('llada', 'scdd', 'hybrid'):
             assert meta['mask_id'] not in o and meta['mask_id'] not in f, (o, f)
     r = subprocess.run([sys.executable, 'sample.py', '--checkpoint', out, '--prompt', texts[0]], capture_output=True,
                        text=True, cwd=ROOT, timeout=300)
@@ -150,7 +154,7 @@ def test_bad_inputs_fail_with_one_line(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize('script,fsdp', [('llada.py', False), ('llada.py', True), ('scdd.py', False),
-                                         ('scdd.py', True)])
+                                         ('scdd.py', True), ('hybrid.py', False), ('hybrid.py', True)])
 def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, fsdp):
     # 4 accumulation steps in total: 2 micro-steps per rank, so the gradient-sync toggle matters (sync only on the
     # last micro-step; DDP reads require_backward_grad_sync in forward, FSDP2 its flag in backward). One micro-step
@@ -170,11 +174,12 @@ def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, 
         assert torch.allclose(st['exp_avg'], cb['optimizer']['state'][k]['exp_avg'], atol=1e-7, rtol=1e-4), k
 
 
-def test_ar_fsdp_two_ranks_with_eval(data_dir, tmp_path):
-    # smoke test of FSDP2 + the ar accuracy eval (unshard around sampling; stop_at_eos=False keeps ranks in lockstep,
-    # tested directly in test_sample.py)
+@pytest.mark.parametrize('script', ['ar.py', 'hybrid.py'])
+def test_fsdp_two_ranks_with_eval(data_dir, tmp_path, script):
+    # smoke test of FSDP2 + an accuracy eval whose sampler could stop early (unshard around sampling; ar:
+    # stop_at_eos=False, hybrid: the even schedule without early stop keep ranks in lockstep)
     out = str(tmp_path / 'out')
-    r = run('ar.py', f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--fsdp=True', *TINY,
+    r = run(script, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--fsdp=True', *TINY,
             '--eval_samples=9', '--gradient_accumulation_steps=2', nproc=2)
     assert 'held-out exact-match accuracy' in r.stdout
     assert ckpt(out)['step'] == 2

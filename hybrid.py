@@ -274,9 +274,10 @@ def git_commit():
         return ''
 
 
-def settings_error(c):
+def settings_error(c, model_types=('qwen3', 'llama')):
     """The first bad setting of the resolved config c as one line, or None. Run before any data, model or step, so
-    a bad eval setting cannot surface after hours of training; family_settings_error adds the family's own."""
+    a bad eval setting cannot surface after hours of training; family_settings_error adds the family's own.
+    model_types: the scratch architectures the family builds (gemma_bd.py: its own)."""
     import importlib.util
     for k in ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'learning_rate', 'log_interval', 'max_seq_len',
               'pad_seq_len_divisible', 'gen_length'):
@@ -295,8 +296,8 @@ def settings_error(c):
             return f"n_embd={c['n_embd']} must be n_head={c['n_head']} x an even head size (RoPE rotates pairs)"
         if c['n_head'] % c['n_kv_head']:
             return f"n_head={c['n_head']} must be divisible by n_kv_head={c['n_kv_head']}"
-        if c['model_type'] not in ('qwen3', 'llama'):
-            return f"model_type={c['model_type']!r} must be 'qwen3' or 'llama'"
+        if c['model_type'] not in model_types:
+            return f"model_type={c['model_type']!r} must be " + ' or '.join(map(repr, model_types))
     if c['dtype'] not in ('auto', 'float32', 'bfloat16'):
         return f"dtype={c['dtype']!r} must be 'auto', 'float32' or 'bfloat16'"
     if not re.fullmatch(r'auto|cpu|cuda(:\d+)?', c['device']):

@@ -11,6 +11,8 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
                                          # at batch 1 the reference setting vs a plain twin of LLaDA's loop
     python bench.py --only=sample --checkpoint=out-llada-sudoku --val=data/sudoku/val.jsonl --threshold=0.9,0.999
     python bench.py --only=nemotron      # hybrid.py decoding: the exact KV cache vs the uncached block sampler, + AR mode
+    python bench.py --only=gemma         # gemma_bd.py decoding: adaptive stop vs every step, and ours vs transformers'
+                                         # generate() at batch 1 (same tokens)
     python bench.py --only=gpu           # every CUDA path of a llada step (flex, bf16, compile, FSDP2) checked against
                                          # its reference, then tokens/s + MFU of a ~0.5B model; exits 1 if a check fails
     python bench.py --only=gpu --toy     # the same at a tiny size (the default on CPU, where flex runs forward only)
@@ -488,6 +490,90 @@ def nemotron_need_mib(variant, args):
 
 
 # -----------------------------------------------------------------------------
+# gemma: a gemma_bd.py checkpoint decoded by the gemma sampler: adaptive stopping vs every step (the setting it
+# shortcuts), batched; and at batch 1 our loop vs transformers' own DiffusionGemmaForBlockDiffusion.generate() with
+# the same seed per prompt (they must decode the same tokens; the row says so).
+
+GEMMA_VARIANTS = ['every_step', 'adaptive', 'ours_b1', 'transformers_b1']
+
+
+def gemma_child(variant, args):
+    import sample
+    if not os.path.isdir(args.gemma_checkpoint):
+        return {'error': f"skipped: no checkpoint {args.gemma_checkpoint!r} (run python gemma_bd.py)"}
+    model, tok, meta = sample.load_checkpoint(args.gemma_checkpoint)
+    b1 = variant.endswith('_b1')
+    records = sample.read_records(args.gemma_val)[:args.n_batch1 if b1 else args.n_prompts]
+    opts = sample.sampler_options('gemma', meta, {})
+    opts['adaptive_stop'] = variant != 'every_step'
+    prompts = [sample.encode_prompt(tok, q, raw=False) for q, *_ in records]
+    C = opts['block_length']
+    model.config.canvas_length = C
+
+    def hf_generate(p, stats):  # transformers' loop on one prompt; its output cut at the first EOS
+        x = torch.tensor([p])
+        out = model.generate(x, max_new_tokens=opts['gen_length'], max_denoising_steps=opts['steps'],
+                             eos_token_id=meta['eos_id'], pad_token_id=meta['pad_id'], t_min=opts['t_min'],
+                             t_max=opts['t_max'], confidence_threshold=opts['confidence_threshold']).sequences
+        row = out[0, len(p):].tolist()
+        stats['row_nfe'] = stats.get('row_nfe', 0)  # generate does not report its forwards per prompt here
+        return [row[:row.index(meta['eos_id'])] if meta['eos_id'] in row else row]
+
+    def ours(ps, stats, seed=0):
+        return sample.generate(model, ps, sampler='gemma', pad_id=meta['pad_id'], eos_id=meta['eos_id'],
+                               generator=torch.Generator().manual_seed(seed), stats=stats, **opts)
+
+    runs = []
+    for _ in range(args.iters):
+        stats, outs = {}, []
+        if b1:
+            one = (lambda i, p, st: (torch.manual_seed(i), hf_generate(p, st))[1]) if variant == 'transformers_b1' \
+                else (lambda i, p, st: ours([p], st, seed=i))
+            one(0, prompts[0], {})  # warm-up
+            t0, c0 = time.perf_counter(), time.process_time()
+            for i, p in enumerate(prompts):
+                outs += one(i, p, stats)
+        else:
+            ours(prompts[:args.sample_batch], {})  # warm-up
+            t0, c0 = time.perf_counter(), time.process_time()
+            for i in range(0, len(prompts), args.sample_batch):
+                outs += ours(prompts[i:i + args.sample_batch], stats)
+        runs.append({'wall': time.perf_counter() - t0, 'cpu_s': time.process_time() - c0, **stats})
+    r = sorted(runs, key=lambda r: r['wall'])[len(runs) // 2]
+    tokens = sum(len(o) for o in outs)
+    correct = sum(tok.decode(o).strip() == a.strip() for o, (_, a, _) in zip(outs, records))
+    return {**r, 'opts': opts, 'n': len(records), 'tokens': tokens, 'accuracy': 100 * correct / len(records),
+            'outs': outs}
+
+
+def gemma_report(results, args):
+    print(f"gemma: {args.gemma_checkpoint}, {args.gemma_val}: first {args.n_prompts} prompts at batch "
+          f"{args.sample_batch}, first {args.n_batch1} at batch 1 (seed = the prompt's index), median of "
+          f"{args.iters} runs (each after a warm-up), {torch.get_num_threads()} threads")
+    header = ("| variant | settings | accuracy | steps/canvas | NFE/prompt | tokens/forward | generated tok/s | CPU s | "
+              "tok/s ratio | same tokens |")
+    for v, r in measured(results, header):
+        o = r['opts']
+        b1 = v.endswith('_b1')
+        ref = results.get('transformers_b1' if b1 else 'every_step')
+        ok = ref is not None and 'error' not in ref
+        s = (f"{'transformers generate()' if v == 'transformers_b1' else 'sample.py'}, batch 1" if b1 else
+             f"batch {args.sample_batch}, {'adaptive stop' if o['adaptive_stop'] else 'every step'}") + \
+            f", canvas {o['block_length']}, steps {o['steps']}"
+        speed = f"{(r['tokens'] / r['wall']) / (ref['tokens'] / ref['wall']):.2f}x vs {'transformers' if b1 else 'every step'}" if ok else '-'
+        same = ('yes' if r['outs'] == ref['outs'] else 'NO') if ok and b1 else '-'
+        steps = f"{r['denoise'] / r['canvases']:.2f}" if r.get('canvases') else '-'
+        nfe = f"{r['row_nfe'] / r['n']:.2f}" if r.get('row_nfe') else '-'
+        tpf = f"{r['tokens'] / r['row_nfe']:.2f}" if r.get('row_nfe') else '-'
+        print(f"| {v} | {s} | {r['accuracy']:.1f}% | {steps} | {nfe} | {tpf} | {r['tokens'] / r['wall']:,.0f} | "
+              f"{r['cpu_s']:.2f} | {speed} | {same} |")
+
+
+def gemma_need_mib(variant, args):
+    return 0
+
+
+# -----------------------------------------------------------------------------
 # gpu: every CUDA path of a llada training step, each against its reference in the same run: flex_attention with a
 # BlockMask vs SDPA with the dense mask, bf16 autocast vs fp32, torch.compile vs eager, FSDP2 (a world of 1) vs the
 # unsharded step; then tokens/s and MFU of a ~0.5B model at T=2048. Run it once on a GPU and paste the table.
@@ -782,6 +868,7 @@ SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'pack': (PACK_VARIANTS, pack_child, pack_report, pack_need_mib),
             'sample': (sample_variants, sample_child, sample_report, sample_need_mib),
             'nemotron': (NEMOTRON_VARIANTS, nemotron_child, nemotron_report, nemotron_need_mib),
+            'gemma': (GEMMA_VARIANTS, gemma_child, gemma_report, gemma_need_mib),
             'gpu': (GPU_CHECKS, gpu_child, gpu_report, gpu_need_mib)}
 
 # -----------------------------------------------------------------------------
@@ -816,6 +903,8 @@ def parse_args(argv=None):
     p.add_argument('--cache_block', type=int, default=0, help='sample: block length of the cached variants (0 = largest divisor <= gen/2)')
     p.add_argument('--hybrid_checkpoint', default='out-hybrid-sudoku', help='nemotron: a trained hybrid out_dir')
     p.add_argument('--hybrid_val', default='data/sudoku/val.jsonl', help='nemotron: chat JSONL prompts with answers')
+    p.add_argument('--gemma_checkpoint', default='out-gemma-bd', help='gemma: a trained gemma_bd out_dir')
+    p.add_argument('--gemma_val', default='data/add/val.jsonl', help='gemma: chat JSONL prompts with answers')
     p.add_argument('--toy', action=argparse.BooleanOptionalAction, default=None,
                    help='gpu: tiny sizes (default on CPU; --no-toy forces the full sizes)')
     p.add_argument('--peak_tflops', type=float, default=989, help='gpu: peak bf16 dense TFLOPS for MFU (H200: 989)')

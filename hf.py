@@ -4,6 +4,7 @@ hf.py: the Hugging Face glue, in one place, so a transformers upgrade touches on
 Everything the family scripts and sample.py need from the transformers API:
     build_model        a tiny Qwen3/Llama from arguments, a model rebuilt from a checkpoint's stored config, or a
                        local checkpoint directory (trust_remote_code only when asked)
+    build_diffusion_gemma   the same for the native DiffusionGemmaForBlockDiffusion (gemma_bd.py)
     load_pretrained    a model directory for sampling (eval mode, on a device, in a dtype)
     last_hidden_state  the final (post-norm) hidden states the chunked CE consumes, (B, T, C)
     shard_units        the transformer blocks FSDP2 shards one by one
@@ -11,6 +12,8 @@ Everything the family scripts and sample.py need from the transformers API:
                        BlockMask when the model runs flex (CUDA), a dense bool (B, 1, Q, K) mask for SDPA (CPU)
     forward            logits of a forward with a mask, position ids, logits_to_keep and a KV cache
     new_cache, crop, keep_rows, drop_span   the KV-cache helpers the samplers use
+    gemma_encode, gemma_decode   DiffusionGemma's two calls: the causal encoder pass that appends to the KV cache,
+                       and the canvas (decoder) pass that reads it
 Family-specific model code (a draft model, a two-pass forward) stays in its family file.
 """
 import functools
@@ -71,11 +74,76 @@ def build_model(init_from, *, vocab_size=0, model_type='qwen3', n_layer=4, n_hea
         attn_implementation=attn_implementation)
 
 
+def build_diffusion_gemma(init_from, *, vocab_size=0, n_layer=4, n_head=4, n_kv_head=2, n_embd=128,
+                          intermediate_size=0, n_experts=4, top_k_experts=2, moe_intermediate_size=0,
+                          sliding_window=64, canvas_length=8, max_seq_len=256, rope_theta=10000.0,
+                          attn_implementation='sdpa', hf_config=None):
+    """transformers' native DiffusionGemmaForBlockDiffusion (>= 5.11) in float32: a tiny random one from the
+    arguments ('scratch': MoE with n_experts experts, top_k_experts per token, next to the dense MLP as in
+    Gemma 4; the config's default 5:1 sliding/full layer pattern, the last layer full; a one-layer vision tower the text path never calls, since the class requires one), a rebuilt config
+    (hf_config, a dict from a checkpoint; the caller loads the weights), or a local checkpoint directory
+    (google/diffusiongemma-26B-A4B-it). ValueError / FileNotFoundError with one line for bad arguments."""
+    import transformers
+    transformers.logging.disable_progress_bar()
+    cls = transformers.DiffusionGemmaForBlockDiffusion
+    if hf_config is not None:
+        config = transformers.DiffusionGemmaConfig(**hf_config)
+    elif init_from == 'scratch':
+        if vocab_size <= 0:
+            raise ValueError('scratch models need a vocab_size (from meta.json)')
+        if n_embd % n_head or n_head % n_kv_head:
+            raise ValueError(f'n_embd={n_embd}, n_head={n_head}, n_kv_head={n_kv_head}: need n_head | n_embd and '
+                             f'n_kv_head | n_head')
+        hd = n_embd // n_head
+        text = transformers.DiffusionGemmaTextConfig(
+            vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=intermediate_size or 2 * n_embd,
+            num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_head, head_dim=hd,
+            global_head_dim=hd, sliding_window=sliding_window,
+            layer_types=['full_attention' if i % 6 == 5 or i == n_layer - 1 else 'sliding_attention'
+                         for i in range(n_layer)], num_experts=n_experts, top_k_experts=top_k_experts,
+            moe_intermediate_size=moe_intermediate_size or n_embd, max_position_embeddings=max_seq_len,
+            pad_token_id=None, eos_token_id=None, bos_token_id=None,
+            rope_parameters={'full_attention': {'rope_type': 'default', 'rope_theta': rope_theta},
+                             'sliding_attention': {'rope_type': 'default', 'rope_theta': rope_theta}})
+        vision = dict(model_type='gemma4_vision', hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+        config = transformers.DiffusionGemmaConfig(text_config=text.to_dict(), vision_config=vision,
+                                                   canvas_length=canvas_length)
+    else:
+        if not os.path.isfile(os.path.join(init_from, 'config.json')):
+            raise FileNotFoundError(f'init_from={init_from!r}: no config.json there (expected a local HF checkpoint '
+                                    f'dir)')
+        return cls.from_pretrained(init_from, dtype=torch.float32, attn_implementation=attn_implementation)
+    config._attn_implementation = attn_implementation
+    for sub in (config.text_config, config.vision_config):
+        sub._attn_implementation = attn_implementation if sub is config.text_config else 'sdpa'
+    model = cls(config)
+    if hf_config is None:  # scratch init: Gemma 4 attends with scale 1.0 on RMS-normed q and k, so at init (norm
+        # weights 1) a logit q·k has std sqrt(head_dim) and the softmax is saturated; norm weights of head_dim^-1/4
+        # give the usual 1/sqrt(head_dim) scale at init (training moves them). A deliberate difference (README).
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(('self_attn.q_norm.weight', 'self_attn.k_norm.weight')):
+                    p.fill_(p.shape[0] ** -0.25)
+    return model
+
+
+def _model_class(d, trust_remote_code=False):
+    """The transformers class that loads model dir d: DiffusionGemma's own (it is not a causal LM), else the
+    causal-LM auto class."""
+    import json
+    import transformers
+    with open(os.path.join(d, 'config.json')) as f:
+        model_type = json.load(f).get('model_type')
+    return transformers.DiffusionGemmaForBlockDiffusion if model_type == 'diffusion_gemma' \
+        else transformers.AutoModelForCausalLM
+
+
 def load_pretrained(d, device='cpu', dtype=torch.float32, trust_remote_code=False):
     """A model directory (config.json + weights) -> the model in eval mode on `device` in `dtype`."""
     import transformers
     transformers.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = _model_class(d).from_pretrained(d, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 
 
@@ -94,13 +162,23 @@ def last_hidden_state(model, input_ids, attention_mask=None, position_ids=None):
 
 def shard_units(model):
     """The transformer blocks that FSDP2 shards one by one: the classes named in _no_split_modules (every HF model,
-    remote code included, declares them), else get_decoder().layers."""
+    remote code included, declares them), else get_decoder().layers. Blocks that share parameters (DiffusionGemma's
+    encoder layer i and decoder layer i are one set of weights run two ways) come as one list: fully_shard takes a
+    list as one unit, so a tied weight is sharded once."""
     names = set(getattr(model, '_no_split_modules', None) or [])
     units = [m for m in model.modules() if type(m).__name__ in names]
     units = units or list(getattr(model.get_decoder(), 'layers', []))
     if not units:
         raise ValueError(f'{type(model).__name__}: cannot find its transformer blocks to shard (set _no_split_modules)')
-    return units
+    groups, owner = [], {}  # parameter id -> index of the group holding it
+    for m in units:
+        hit = next((owner[id(p)] for p in m.parameters() if id(p) in owner), None)
+        if hit is None:
+            hit = len(groups)
+            groups.append([])
+        groups[hit].append(m)
+        owner.update({id(p): hit for p in m.parameters()})
+    return [g[0] if len(g) == 1 else g for g in groups]
 
 
 def uses_flex(model):
@@ -147,10 +225,26 @@ def forward(model, x, *, mask=None, pos=None, keep=0, cache=None):
     return logits[:, -keep:] if keep else logits
 
 
-def new_cache():
-    """An empty KV cache that forward() appends to."""
+def new_cache(model=None):
+    """An empty KV cache that forward() appends to. With a model: the cache its config asks for (a sliding-window
+    layer keeps only its window, as transformers' generate builds it)."""
     from transformers import DynamicCache
-    return DynamicCache()
+    return DynamicCache() if model is None else DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def gemma_encode(model, ids, *, mask, pos, cache):
+    """DiffusionGemma's encoder pass: ids (B, N) appended causally to `cache` (their keys/values, every layer);
+    mask (B, cached + N) bool marks real tokens (left padding), pos (B, N) their position ids."""
+    model.model.encoder(input_ids=ids, attention_mask=mask, cache=cache, position_ids=pos)
+
+
+def gemma_decode(model, canvas, *, cache, mask, pos, sc_logits=None):
+    """DiffusionGemma's decoder (canvas) pass: logits (B, C, V) float32 (soft-capped) of the canvas (B, C), which
+    attends bidirectionally to itself and to everything in `cache` (read only); mask (B, cached + C) bool marks real
+    keys, pos (B, C) the canvas position ids, sc_logits (B, C, V) the previous step's logits (self-conditioning;
+    None = zeros, the first step)."""
+    return model(decoder_input_ids=canvas, cache=cache, self_conditioning_logits=sc_logits,
+                 decoder_attention_mask=mask, decoder_position_ids=pos).logits
 
 
 def crop(cache, n):

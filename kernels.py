@@ -301,10 +301,14 @@ def bidirectional(key_valid=None):
     return mask_mod
 
 
-def causal(key_valid=None):
-    """Query q sees valid keys kv <= q. No fully-masked row: the diagonal is always kept."""
+def causal(key_valid=None, window=0):
+    """Query q sees valid keys kv <= q (and, window > 0, q - kv < window: a sliding-window layer, HF's
+    convention). No fully-masked row: the diagonal is always kept."""
     def mask_mod(b, h, q, kv):
-        return ((kv <= q) & _key_ok(key_valid, b, kv)) | (q == kv)
+        m = (kv <= q) & _key_ok(key_valid, b, kv)
+        if window > 0:
+            m = m & (q - kv < window)
+        return m | (q == kv)
     return mask_mod
 
 
@@ -345,6 +349,38 @@ def block_diffusion(L, block_size, key_valid=None, causal_in_block=False, offset
             own = own & (kk <= qq)
         m = (q_xt & k_xt & own) | (q_xt & ~k_xt & (bq > bk)) | (~q_xt & ~k_xt & (kk <= qq))
         return (m & _key_ok(key_valid, b, kk)) | (q == kv)
+    return mask_mod
+
+
+def gemma_block_diffusion(L, block_size, prefix, resp, sliding_window=0):
+    """DiffusionGemma's training layout (reference §6.3/6.5) as ONE sequence [L clean encoder tokens | R canvas
+    tokens], Q = K = L + R. prefix (B,) long: where each row's response starts (its prompt length); resp (B,) long:
+    its response length (answer + EOS fill; the row's real tokens are [0, prefix + resp), canvas rows j >= resp are
+    padding).
+    Encoder query q < L: causal over the real encoder keys (kv <= q, kv < prefix + resp; sliding_window > 0:
+      q - kv < window), never the canvas: exactly the stock causal encoder pass.
+    Canvas query L + j (block j // block_size) sees
+      encoder key k: the prompt (k < prefix) and the clean response blocks STRICTLY before its own
+                     ((k - prefix) // bs < j // bs: '>=' would show it its own answer), never past the response
+                     (tail padding); with sliding_window > 0 only k > block start - window (the bound anchored at
+                     the block's first position: what a sliding KV cache holds when the sampler decodes that block);
+      canvas key L + j': its own block, bidirectionally (j' // bs == j // bs, j' < resp).
+    The canvas rows are the stock decoder pass against the encoder's keys/values. No fully-masked row: every query
+    sees itself (canvas padding rows only themselves)."""
+    def mask_mod(b, h, q, kv):
+        p, n = prefix[b], resp[b]
+        enc_q, enc_k = q < L, kv < L
+        encoder = enc_q & enc_k & (kv <= q) & (kv < p + n)
+        if sliding_window > 0:
+            encoder = encoder & (q - kv < sliding_window)
+        j, c = q - L, kv - L  # canvas query / key index
+        qb = torch.div(j, block_size, rounding_mode='floor')
+        rel = kv - p  # encoder key relative to the response (negative: prompt)
+        ctx = enc_k & ((rel < 0) | (torch.div(rel, block_size, rounding_mode='floor') < qb)) & (rel < n) & (j < n)
+        if sliding_window > 0:
+            ctx = ctx & (kv > p + qb * block_size - sliding_window)
+        own = ~enc_k & (torch.div(c, block_size, rounding_mode='floor') == qb) & (c < n) & (j < n)
+        return encoder | (~enc_q & (ctx | own)) | (q == kv)
     return mask_mod
 
 

@@ -89,18 +89,29 @@ def infill_of(name, **declared):
 
 OPTIONS = {  # every sampler option the command line takes: (type, help). A sampler's preset says which it takes.
     'gen_length': (int, "tokens to generate (a checkpoint's meta.json overrides the preset lengths)"),
-    'steps': (int, 'denoising steps: in total for llada and infill, per block for llada2 and nemotron'),
+    'steps': (int, 'denoising steps: in total for llada and infill, per block for llada2, nemotron and gemma (at '
+                   'most)'),
     'block_length': (int, 'semi-autoregressive block length (infill: 0 = the whole prompt)'),
     'temperature': (float, 'sampling temperature, 0 = greedy'),
     'remasking': (str, "which masked positions to commit: 'low_confidence' or 'random'"),
     'threshold': (float, 'parallel decoding: also commit every masked position with confidence >= t (llada: '
                          '0 = off) or > t (llada2), in [0, 1]'),
-    'early_stop': (bool, 'a row is done once it has committed EOS with nothing masked before it'),
+    'early_stop': (bool, 'a row is done once it has committed EOS with nothing masked before it (gemma: once a '
+                         'canvas has an EOS)'),
     'cache': (str, "KV cache: llada (Fast-dLLM, approximate) 'none', 'prefix' or 'dual'; nemotron (exact) "
                    "'prefix' or 'none' (the uncached reference)"),
     'mode': (str, "nemotron: 'diffusion' (block diffusion) or 'ar' (next-token decoding, the same model)"),
     'editing_threshold': (float, 'T2T editing threshold (default off; 0.0 = edit whenever the argmax changes)'),
     'max_post_steps': (int, 'post-edit steps per block'),
+    't_max': (float, 'gemma: the sampling temperature at the first denoising step (annealed linearly to t_min)'),
+    't_min': (float, 'gemma: the sampling temperature at the last denoising step'),
+    'entropy_bound': (float, 'gemma: accept the lowest-entropy positions while their entropy sum minus the largest '
+                             'is <= this'),
+    'confidence_threshold': (float, "gemma: adaptive stop once the argmax canvas is stable and its mean entropy is "
+                                    "below this"),
+    'stability_threshold': (int, 'gemma: steps the argmax canvas must stay unchanged for the adaptive stop'),
+    'adaptive_stop': (bool, 'gemma: stop denoising a canvas once it is stable and confident (else every step)'),
+    'self_conditioning': (bool, "gemma: feed the previous step's logits back (off: zeros, the ablation)"),
     'uniform_ratio': (float, "scdd: the schedule's peak uniform-noise share (from meta.json: must match training)"),
     'schedule_shape': (float, "scdd: the schedule's shape (from meta.json: must match training)"),
     'schedule_peak': (float, "scdd: the time of the uniform peak (from meta.json: must match training)"),
@@ -725,6 +736,113 @@ def sample_nemotron(model, x, *, prompt_mask=None, gen_length=128, block_length=
             r.x[:, lo:hi] = torch.where(commit, x0, blk)
             over, full = step_done(commit, lo, last)
             if over:
+                return r.out
+    return r.done()
+
+
+def uniform_tokens(shape, vocab_size, generator=None, device=None):
+    """Uniform random token ids (the gemma sampler's canvas noise), drawn as transformers' EntropyBoundSampler
+    draws them (torch.randint), so a seeded run matches its generate() draw for draw."""
+    return torch.randint(vocab_size, shape, generator=generator, device=device)
+
+
+def draw_tokens(probs, generator=None):
+    """One token per row of probs (N, V) (float32), as transformers' DiffusionGemma sampler draws them
+    (torch.multinomial). -> (N,) long."""
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@sampler('gemma', families=('gemma_bd',),
+         report=lambda t: {'steps/canvas': t.get('denoise', 0) / max(t.get('canvases', 0), 1)},
+         preset=dict(gen_length=256, block_length=256, steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1,
+                     confidence_threshold=0.005, stability_threshold=1, adaptive_stop=True, self_conditioning=True,
+                     early_stop=True))
+@torch.no_grad()
+def sample_gemma(model, x, *, prompt_mask=None, gen_length=256, block_length=256, steps=48, t_max=0.8, t_min=0.4,
+                 entropy_bound=0.1, confidence_threshold=0.005, stability_threshold=1, adaptive_stop=True,
+                 self_conditioning=True, early_stop=True, mask_id=-1, eos_id=-1, generator=None, stats=None,
+                 callback=None):
+    """DiffusionGemma's entropy-bounded block sampler (methods.md §5.2; transformers' EntropyBoundSampler and
+    StableAndConfidentStoppingCriteria) for a gemma_bd.py / DiffusionGemmaForBlockDiffusion checkpoint.
+
+    Canvases of block_length (the model's canvas_length) after the prompt, one at a time. The causal encoder pass
+    puts the prompt (then each finished canvas) into the KV cache; the canvas starts as uniform random tokens and
+    for n = steps .. 1 (n = steps remaining):
+      logits  = decoder(canvas | cache, self-conditioning on the previous step's tempered logits; zeros at first)
+      tempered = logits / (t_min + (t_max - t_min)·n/steps)                    (hot -> cold)
+      draw ~ softmax(tempered) per position; argmax canvas = argmax tempered
+      H_i = entropy of softmax(tempered)_i; sorted ascending, accept the longest prefix with
+            Σ_{j<=k} H_(j) - H_(k) <= entropy_bound (the EB-sampler's bound on the accepted tokens' mutual
+            information; never empty: the lowest-entropy position always passes)
+      canvas = draw where accepted, a NEW uniform random token elsewhere (recomputed from scratch every step)
+      adaptive_stop: a row's canvas is done once its argmax canvas has not changed for stability_threshold steps
+            and its mean entropy is below confidence_threshold (it then keeps its canvas and logits).
+    The canvas's answer is its last argmax canvas. early_stop: a row is done at the first canvas with an EOS, and
+    leaves the batch with its cache rows (Rows); else it runs every canvas. self_conditioning=False feeds zeros
+    (the ablation). Canvas rows already done ride along in the batched forward until the canvas is over; row_nfe
+    counts only the rows still denoising, as transformers' tokens_per_forward does, but NFE also counts each
+    canvas's encoder pass (transformers counts decoder passes only); the --eval line adds steps/canvas, the
+    mean denoising steps a canvas took (adaptive stopping: well below --steps).
+    The random draws (uniform_tokens, draw_tokens) consume `generator` in transformers' order, so for one prompt
+    and the same seed the output equals DiffusionGemmaForBlockDiffusion.generate()'s token for token (tested).
+    mask_id is unused (no [MASK]: the noise is uniform). Returns (B, P + gen_length)."""
+    need(0 < t_min <= t_max, f'need 0 < t_min <= t_max, got {t_min}, {t_max}')
+    need(entropy_bound > 0 and confidence_threshold >= 0 and stability_threshold >= 0,
+         f'need entropy_bound > 0, confidence_threshold >= 0, stability_threshold >= 0, got {entropy_bound}, '
+         f'{confidence_threshold}, {stability_threshold}')
+    check_blocks(gen_length, block_length)
+    need(steps >= 1, f'steps (per canvas) must be >= 1, got {steps}')
+    B, P = x.shape
+    C, V, dev = block_length, model.config.get_text_config().vocab_size, x.device
+    fill = max(eos_id, 0)
+    x, key_valid, pos, _ = make_canvas(x, prompt_mask, gen_length, fill)  # (B, T) each
+    r = Rows(x, P, fill, eos_id, key_valid=key_valid, pos=pos, kv=hf.new_cache(model))
+    embed_dtype = model.get_input_embeddings().weight.dtype
+    for nb in range(gen_length // C):
+        lo, hi = P + nb * C, P + (nb + 1) * C
+        a = 0 if nb == 0 else lo - C  # the encoder pass: the prompt (prefill) or the previous canvas
+        hf.gemma_encode(model, r.x[:, a:lo], mask=r.key_valid[:, :lo], pos=r.pos[:, a:lo], cache=r.kv)
+        _count(stats, r.n)
+        if stats is not None:
+            stats['canvases'] = stats.get('canvases', 0) + r.n
+        canvas = uniform_tokens((r.n, C), V, generator, dev)
+        argmax, sc, done = canvas, None, torch.zeros(r.n, dtype=torch.bool, device=dev)
+        history = torch.full((stability_threshold, r.n, C), -1, dtype=torch.long, device=dev)
+        for n in range(steps, 0, -1):
+            active = int((~done).sum())
+            _count(stats, active)
+            if stats is not None:
+                stats['denoise'] = stats.get('denoise', 0) + active
+            logits = hf.gemma_decode(model, canvas, cache=r.kv, mask=r.key_valid[:, :hi], pos=r.pos[:, lo:hi],
+                                     sc_logits=sc if self_conditioning else None)  # (B', C, V) float32
+            logits = logits / (t_min + (t_max - t_min) * n / steps)
+            check_finite(logits.amax(-1))
+            probs = torch.softmax(logits, -1, dtype=torch.float32)
+            drawn = draw_tokens(probs.view(-1, V), generator).view(r.n, C)
+            new_argmax = logits.argmax(-1)
+            H = torch.distributions.Categorical(logits=logits).entropy()  # (B', C)
+            Hs, order = H.sort(-1)
+            accept = torch.zeros_like(H, dtype=torch.bool).scatter(-1, order, Hs.cumsum(-1) - Hs <= entropy_bound)
+            new_canvas = torch.where(accept, drawn, uniform_tokens((r.n, C), V, generator, dev))
+            if adaptive_stop:  # rows already done keep their canvas, argmax and logits
+                d = done[:, None]
+                new_argmax = torch.where(d, argmax, new_argmax)
+                new_canvas = torch.where(d, canvas, new_canvas)
+                logits = torch.where(d[..., None], sc, logits) if sc is not None else logits
+                stable = (history == new_argmax[None]).all(-1).all(0)
+                history = torch.cat([history[1:], new_argmax[None]]) if stability_threshold else history
+                H = torch.distributions.Categorical(logits=logits).entropy()
+                done = done | (stable & (H.mean(-1) < confidence_threshold))
+            changed = new_argmax != argmax
+            canvas, argmax, sc = new_canvas, new_argmax, logits.to(embed_dtype)
+            r.x[:, lo:hi] = argmax
+            if callback is not None:
+                r.report(callback, changed, lo)
+            if adaptive_stop and bool(done.all()):
+                break
+        if early_stop and eos_id >= 0:
+            fin = (r.x[:, P:hi] == eos_id).any(1).cpu()
+            if fin.any() and r.retire(fin) == 0:
                 return r.out
     return r.done()
 

@@ -34,6 +34,7 @@ FAMILIES = {  # script -> its tiny run's arguments (data_dir and out_dir are add
     'ar.py': COMMON,
     'scdd.py': COMMON,
     'hybrid.py': COMMON,
+    'gemma_bd.py': COMMON,
 }
 DATA = dict(task='add', max_seq_len=64, seed=0, n_train=2000, n_val=64)  # the synthetic data the runs train on
 

@@ -270,12 +270,14 @@ def test_script_end_to_end_in_subprocess(tmp_path):
 @pytest.mark.parametrize('path', sorted(Path(__file__).resolve().parents[1].glob('config/*.py')),
                          ids=lambda p: p.name)
 def test_shipped_configs_apply_to_their_script(path):
-    # every recipe in config/ is valid for its family script (config/<family>_<variant>.py -> <family>.py): each
-    # key exists there with the right type. The script's keys, defaults and types come from its --help
+    # every recipe in config/ is valid for its family script (config/<family>_<variant>.py -> <family>.py, the
+    # longest script name that prefixes it: gemma_bd_tiny.py -> gemma_bd.py): each key exists there with the right
+    # type. The script's keys, defaults and types come from its --help
     import ast
     import re
     root = path.parents[1]
-    script = root / (path.name.split('_')[0] + '.py')
+    fits = [p.stem for p in root.glob('*.py') if path.name.startswith(p.stem + '_')]
+    script = root / ((max(fits, key=len) if fits else path.name.split('_')[0]) + '.py')
     assert script.is_file(), f'{path.name}: no family script {script.name}'
     out = subprocess.run([sys.executable, str(script), '--help'], cwd=root, capture_output=True, text=True).stdout
     defaults = {k: ast.literal_eval(v) for k, v in re.findall(r'^  --(\w+)=(.*?)\s{2,}\w+\s', out, re.M)}

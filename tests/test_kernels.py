@@ -261,6 +261,8 @@ def test_flex_matches_sdpa_cpu():
         (kernels.document(kernels.block_diffusion(L, 2, VALID, causal_in_block=True), doc2, doc2), 2 * L, 2 * L),
         (kernels.block_diffusion(L, 3, offset=torch.tensor([1, 2])), 2 * L, 2 * L),
         (kernels.dflash(L, 4, anchors, torch.tensor([[True, False], [True, True]]), sliding_window=3), 8, L + 8),
+        (kernels.gemma_block_diffusion(L, 2, torch.tensor([2, 3]), torch.tensor([6, 4]), sliding_window=3), L + 6,
+         L + 6),
     ]
     for mask_mod, Q, K in cases:
         q = torch.randn(B, H, Q, hd, generator=g)

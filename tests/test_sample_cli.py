@@ -45,6 +45,12 @@ def ckpt(tmp_path_factory):
                                      'threshold': 0.9})]:
         tiny(tok.vocab_size, family not in ('ar', 'hybrid')).save_pretrained(d / family / 'hf')
         (d / family / 'hf' / 'meta.json').write_text(json.dumps({**tok.meta(), 'family': family, **meta}))
+    torch.manual_seed(0)  # a gemma_bd.py export: the native DiffusionGemma, canvases of 2
+    hf.build_diffusion_gemma('scratch', vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                             intermediate_size=48, moe_intermediate_size=16, canvas_length=2).save_pretrained(
+        d / 'gemma_bd' / 'hf')
+    (d / 'gemma_bd' / 'hf' / 'meta.json').write_text(json.dumps(
+        {**tok.meta(), 'family': 'gemma_bd', 'sampler': 'gemma', 'gen_length': 4, 'block_length': 2, 'steps': 3}))
     (d / 'llada' / 'ckpt.pt').write_bytes(b'')  # only its name matters here
     (d / 'val.jsonl').write_text(''.join(record(f'{i}+1', f'{i + 1}') for i in range(6)))
     return d
@@ -131,13 +137,15 @@ def test_sampler_of_another_family_needs_force(ckpt, capsys):
     ('ar', ('--sampler', 'ar', '--gen_length', 3)),
     ('scdd', ('--sampler', 'scdd', '--steps', 2, '--early_stop')),
     ('hybrid', ('--sampler', 'nemotron', '--cache', 'none')),
-    ('hybrid', ('--sampler', 'nemotron', '--mode', 'ar'))])
+    ('hybrid', ('--sampler', 'nemotron', '--mode', 'ar')),
+    ('gemma_bd', ('--sampler', 'gemma', '--no-adaptive_stop'))])
 def test_cli_eval_one_line(ckpt, capsys, family, args):
     code, out, err = run_main(capsys, '--checkpoint', ckpt / family, '--eval', ckpt / 'val.jsonl', '--batch_size',
                               4, *args)
     assert code == 0, err
     lines = out.strip().splitlines()
-    assert len(lines) == 1 and re.match(EVAL_LINE + '$', lines[0]) and lines[0].startswith(args[1]), lines
+    extra = r'( \| [\w/]+ \d+\.\d\d)*$'  # the sampler's own statistics (report), if it declares any
+    assert len(lines) == 1 and re.match(EVAL_LINE + extra, lines[0]) and lines[0].startswith(args[1]), lines
     assert '/6) |' in lines[0] and 'eval' in err  # every record; the tqdm bar
     step = '1234' if family == 'llada' else 'unknown'
     assert f"loaded {ckpt / family / 'hf'} (step {step})" in err
@@ -331,3 +339,20 @@ def test_cli_nemotron_options(ckpt, capsys):
         assert one_line_error(code, err, msg), (args, err)
     code, out, err = run_main(capsys, '--checkpoint', ckpt / 'llada', '--sampler', 'nemotron', '--prompt', '1+2')
     assert one_line_error(code, err, "sampler 'nemotron' decodes hybrid checkpoints, not 'llada'"), err
+
+
+def test_cli_gemma_options(ckpt, capsys):
+    # a gemma_bd checkpoint decodes with gemma by default (its canvas and steps from meta.json); the --eval line
+    # adds steps/canvas; what does not apply is refused with one line
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'gemma_bd', '--prompt', '1+2')
+    assert code == 0 and out.startswith('1+2 -> '), err
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'gemma_bd', '--eval', ckpt / 'val.jsonl', '--steps', 5,
+                              '--confidence_threshold', 0)
+    assert code == 0 and re.match(EVAL_LINE + r' \| steps/canvas 5\.00$', out.strip()), out
+    for args, msg in [(('--threshold', 0.9), "--threshold does not apply to sampler 'gemma'"),
+                      (('--t_min', 0), 'need 0 < t_min <= t_max'),
+                      (('--block_length', 3), 'gen_length=4 is not a multiple of block_length=3')]:
+        code, out, err = run_main(capsys, '--checkpoint', ckpt / 'gemma_bd', '--prompt', '1+2', *args)
+        assert one_line_error(code, err, msg), (args, err)
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'llada', '--sampler', 'gemma', '--prompt', '1+2')
+    assert one_line_error(code, err, "sampler 'gemma' decodes gemma_bd checkpoints, not 'llada'"), err

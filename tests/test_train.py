@@ -1,4 +1,4 @@
-"""End-to-end runs of the family scripts (llada.py, ar.py, scdd.py, hybrid.py) on a tiny model and a small synthetic dataset:
+"""End-to-end runs of the family scripts (llada.py, ar.py, scdd.py, hybrid.py, gemma_bd.py) on a tiny model and a small synthetic dataset:
 the loss goes down, resume is bit-exact, the checkpoint and the HF export load and sample.py decodes from them with
 the sampler they name, bad input fails with one line,
 and 2-process gloo DDP / FSDP2 with 2 micro-steps each give the gradients of 1 process with 4 accumulation steps.
@@ -43,7 +43,7 @@ def ckpt(out_dir):
     return torch.load(os.path.join(out_dir, 'ckpt.pt'), map_location='cpu', weights_only=True)
 
 
-@pytest.fixture(scope='module', params=['llada.py', 'ar.py', 'scdd.py', 'hybrid.py'])
+@pytest.fixture(scope='module', params=['llada.py', 'ar.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py'])
 def trained(request, data_dir, tmp_path_factory):
     """(script, out_dir, stdout) of a 40-step tiny run, shared by the tests that read what it wrote."""
     script = request.param
@@ -63,7 +63,7 @@ def test_tiny_run_learns(trained):
     assert not any(k.startswith(('_orig_mod.', 'module.', 'model.model.model')) for k in c['model']), list(c['model'])[:3]
 
 
-@pytest.mark.parametrize('script', ['llada.py', 'scdd.py', 'hybrid.py'])
+@pytest.mark.parametrize('script', ['llada.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py'])
 def test_resume_is_bit_exact(data_dir, tmp_path, script):
     a, b = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
     common = [f'--data_dir={data_dir}', '--lr_decay_iters=6', '--eval_samples=0', *TINY]
@@ -94,16 +94,26 @@ def test_round_trip_train_export_sample(trained):
         assert os.path.isfile(os.path.join(out, f)), f
     c = ckpt(out)
     assert c['family'] == family and c['step'] == 40
-    ref = hf.build_model('scratch', hf_config=json.loads(c['model_args']))
-    ref.load_state_dict(c['model'])
-    plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     x = torch.randint(0, 256, (2, 12))
-    assert torch.allclose(plain(x).logits, ref.eval()(x).logits, atol=1e-6)
-    assert plain.config.is_causal is (family in ('ar', 'hybrid'))  # llada: still a bidirectional denoiser
+    if family == 'gemma_bd':  # the native DiffusionGemma: the encoder pass on 8 tokens, a canvas of 4 after them
+        ref = hf.build_diffusion_gemma('scratch', hf_config=json.loads(c['model_args']))
+        plain = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(hf_dir).eval()
+
+        def logits(m):
+            cache, ones = hf.new_cache(m), torch.ones(2, 12, dtype=torch.bool)
+            hf.gemma_encode(m, x[:, :8], mask=ones[:, :8], pos=torch.arange(8).expand(2, 8), cache=cache)
+            return hf.gemma_decode(m, x[:, 8:], cache=cache, mask=ones, pos=torch.arange(8, 12).expand(2, 4))
+    else:
+        ref = hf.build_model('scratch', hf_config=json.loads(c['model_args']))
+        plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+        logits = lambda m: m(x).logits
+        assert plain.config.is_causal is (family in ('ar', 'hybrid'))  # llada: still a bidirectional denoiser
+    ref.load_state_dict(c['model'])
+    assert torch.allclose(logits(plain), logits(ref.eval()), atol=1e-6)
     with open(os.path.join(hf_dir, 'meta.json')) as f:
         meta = json.load(f)
     assert meta['family'] == family and meta['sampler'] == {'llada': 'llada', 'ar': 'ar', 'scdd': 'scdd',
-                                                            'hybrid': 'nemotron'}[family]
+                                                            'hybrid': 'nemotron', 'gemma_bd': 'gemma'}[family]
     if family in ('llada', 'scdd', 'hybrid'):
         assert meta['mask_id'] == c['mask_id']
     model, tok, meta = sample.load_checkpoint(out)
@@ -111,6 +121,8 @@ def test_round_trip_train_export_sample(trained):
     cfg = dict(c['config'])
     if family == 'hybrid':  # block_length 0: the block size (or the whole canvas)
         cfg['block_length'] = cfg['block_length'] or cfg['block_size'] or cfg['gen_length']
+    if family == 'gemma_bd':  # the sampler's canvas is the training block
+        cfg['block_length'] = cfg['block_size']
     for k in ('gen_length', 'block_length', 'steps', 'uniform_ratio', 'num_timesteps', 'threshold'):  # as the run
         if k in meta:  # was evaluated
             assert opts[k] == meta[k] == cfg[k], k
@@ -154,7 +166,8 @@ def test_bad_inputs_fail_with_one_line(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize('script,fsdp', [('llada.py', False), ('llada.py', True), ('scdd.py', False),
-                                         ('scdd.py', True), ('hybrid.py', False), ('hybrid.py', True)])
+                                         ('scdd.py', True), ('hybrid.py', False), ('hybrid.py', True),
+                                         ('gemma_bd.py', False), ('gemma_bd.py', True)])
 def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, fsdp):
     # 4 accumulation steps in total: 2 micro-steps per rank, so the gradient-sync toggle matters (sync only on the
     # last micro-step; DDP reads require_backward_grad_sync in forward, FSDP2 its flag in backward). One micro-step
@@ -174,10 +187,11 @@ def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, 
         assert torch.allclose(st['exp_avg'], cb['optimizer']['state'][k]['exp_avg'], atol=1e-7, rtol=1e-4), k
 
 
-@pytest.mark.parametrize('script', ['ar.py', 'hybrid.py'])
+@pytest.mark.parametrize('script', ['ar.py', 'hybrid.py', 'gemma_bd.py'])
 def test_fsdp_two_ranks_with_eval(data_dir, tmp_path, script):
     # smoke test of FSDP2 + an accuracy eval whose sampler could stop early (unshard around sampling; ar:
-    # stop_at_eos=False, hybrid: the even schedule without early stop keep ranks in lockstep)
+    # stop_at_eos=False, hybrid: the even schedule without early stop, gemma_bd: every step of every canvas keep
+    # ranks in lockstep)
     out = str(tmp_path / 'out')
     r = run(script, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--fsdp=True', *TINY,
             '--eval_samples=9', '--gradient_accumulation_steps=2', nproc=2)

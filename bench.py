@@ -11,6 +11,7 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
                                          # at batch 1 the reference setting vs a plain twin of LLaDA's loop
     python bench.py --only=sample --checkpoint=out-llada-sudoku --val=data/sudoku/val.jsonl --threshold=0.9,0.999
     python bench.py --only=nemotron      # hybrid.py decoding: the exact KV cache vs the uncached block sampler, + AR mode
+    python bench.py --only=gemma_train   # one gemma_bd.py training step vs a naive full-logits step
     python bench.py --only=gemma         # gemma_bd.py decoding: adaptive stop vs every step, and ours vs transformers'
                                          # generate() at batch 1 (same tokens)
     python bench.py --only=gpu           # every CUDA path of a llada step (flex, bf16, compile, FSDP2) checked against
@@ -222,6 +223,73 @@ def train_report(results, args):
 
 def train_need_mib(variant, args):
     return (5 if variant == 'naive_step' else 0.5) * args.B * args.T * args.V * 4 / 2**20
+
+
+# -----------------------------------------------------------------------------
+# gemma_train: one gemma_bd.py training step (the [x0 | canvas] forward, self-conditioning pass 1, chunked CE on the
+# chosen block's canvas rows and the encoder's pair rows) vs a naive step on the same forward that computes full
+# (B, L + R, V) logits and eager F.cross_entropy; same tiny DiffusionGemma (4 experts top-2), batch and noise
+
+GEMMA_TRAIN_VARIANTS = ['naive_step', 'gemma_step']
+
+
+def gemma_train_child(variant, args):
+    import gemma_bd
+    torch.manual_seed(0)
+    V, B, T, bs = args.V, args.B, args.T, 64
+    model = hf.build_diffusion_gemma('scratch', vocab_size=V, n_layer=args.n_layer, n_head=4, n_kv_head=2,
+                                     n_embd=args.d, intermediate_size=2 * args.d, moe_intermediate_size=args.d,
+                                     sliding_window=T, canvas_length=bs, max_seq_len=2 * T)
+    g = torch.Generator().manual_seed(0)
+    P = T // 4  # a prompt quarter, the rest response (a multiple of the canvas)
+    examples = [(torch.randint(V, (T,), generator=g).numpy(), torch.cat([torch.zeros(P), torch.ones(T - P)]).numpy())
+                for _ in range(B)]
+    mb = gemma_bd.make_batch(examples, torch.arange(B), pad_id=0, eos_id=1, vocab_size=V, eps=1e-3, block_size=bs,
+                             max_seq_len=T, sc_p=0.5)
+    bd = gemma_bd.BlockDiffusion(model)
+    mask = gemma_bd.attention_for(model, mb, 'cpu', bs)
+    args_ = (mb['x0'], mb['enc_weights'], mb['canvas'], mb['targets'], mb['weights'], mb['canvas_pos'], mask, mb['coin'])
+    n_diff, n_ar = mb['weights'].sum(), mb['enc_weights'].sum()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    L = mb['x0'].shape[1]
+    pos = torch.cat([torch.arange(L).expand(B, L), mb['canvas_pos']], 1)
+    ar_targets = torch.cat([mb['x0'][:, 1:], mb['x0'][:, :1]], 1)
+
+    def step():
+        if variant == 'gemma_step':
+            ce, _ = bd(*args_)
+            loss = ce[0] / n_diff + ce[1] / n_ar
+        else:  # the same passes, full logits
+            with torch.no_grad():
+                sc = bd.logits(bd.hidden(mb['x0'], mb['canvas'], pos, mask)[:, L:])
+            logits = bd.logits(bd.hidden(mb['x0'], mb['canvas'], pos, mask, sc, mb['coin']))  # (B, L + R, V)
+            ce = lambda z, t, w: (F.cross_entropy(z.reshape(-1, V), t.reshape(-1), reduction='none') * w.reshape(-1)).sum()
+            loss = ce(logits[:, L:], mb['targets'], mb['weights']) / n_diff + ce(logits[:, :L], ar_targets,
+                                                                               mb['enc_weights']) / n_ar
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    r = _measure(step, args.iters)
+    r['tok_s'] = B * (L + mb['canvas'].shape[1]) / r['s']
+    return r
+
+
+def gemma_train_report(results, args):
+    print(f"gemma_train: one gemma_bd step (both passes + self-conditioning pass 1, forward+backward+AdamW), "
+          f"{args.n_layer} layers, d={args.d}, 4 experts top-2, V={args.V}, B={args.B} x T={args.T} (+ the response "
+          f"canvas), fp32, median of {args.iters}, {torch.get_num_threads()} threads")
+    ref = results.get('naive_step')
+    ok = ref is not None and 'error' not in ref
+    header = "| variant | s/step | tokens/s | peak MiB above baseline | tokens/s vs naive | memory vs naive |"
+    for v, r in measured(results, header):
+        speed = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ok else '-'
+        mem = f"{r['mib'] / ref['mib']:.3f}" if ok and ref['mib'] > 0 else '-'
+        print(f"| {v} | {r['s']:.2f} | {r['tok_s']:,.0f} | {r['mib']:.0f} | {speed} | {mem} |")
+
+
+def gemma_train_need_mib(variant, args):
+    return (6 if variant == 'naive_step' else 2) * args.B * 2 * args.T * args.V * 4 / 2**20
 
 
 # -----------------------------------------------------------------------------
@@ -869,6 +937,7 @@ SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'sample': (sample_variants, sample_child, sample_report, sample_need_mib),
             'nemotron': (NEMOTRON_VARIANTS, nemotron_child, nemotron_report, nemotron_need_mib),
             'gemma': (GEMMA_VARIANTS, gemma_child, gemma_report, gemma_need_mib),
+            'gemma_train': (GEMMA_TRAIN_VARIANTS, gemma_train_child, gemma_train_report, gemma_train_need_mib),
             'gpu': (GPU_CHECKS, gpu_child, gpu_report, gpu_need_mib)}
 
 # -----------------------------------------------------------------------------

@@ -212,6 +212,11 @@ def train_child(variant, args):
 def train_report(results, args):
     print(f"train: one llada step (forward+backward+AdamW), {args.n_layer} layers, d={args.d}, V={args.V}, "
           f"B={args.B} x T={args.T}, fp32, median of {args.iters}, {torch.get_num_threads()} threads")
+    step_table(results)
+
+
+def step_table(results):
+    """The training-step table: each variant's time, tokens/s and peak memory, as ratios to naive_step's."""
     ref = results.get('naive_step')
     ok = ref is not None and 'error' not in ref
     header = "| variant | s/step | tokens/s | peak MiB above baseline | tokens/s vs naive | memory vs naive |"
@@ -279,13 +284,7 @@ def gemma_train_report(results, args):
     print(f"gemma_train: one gemma_bd step (both passes + self-conditioning pass 1, forward+backward+AdamW), "
           f"{args.n_layer} layers, d={args.d}, 4 experts top-2, V={args.V}, B={args.B} x T={args.T} (+ the response "
           f"canvas), fp32, median of {args.iters}, {torch.get_num_threads()} threads")
-    ref = results.get('naive_step')
-    ok = ref is not None and 'error' not in ref
-    header = "| variant | s/step | tokens/s | peak MiB above baseline | tokens/s vs naive | memory vs naive |"
-    for v, r in measured(results, header):
-        speed = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ok else '-'
-        mem = f"{r['mib'] / ref['mib']:.3f}" if ok and ref['mib'] > 0 else '-'
-        print(f"| {v} | {r['s']:.2f} | {r['tok_s']:,.0f} | {r['mib']:.0f} | {speed} | {mem} |")
+    step_table(results)
 
 
 def gemma_train_need_mib(variant, args):
@@ -498,6 +497,15 @@ def sample_need_mib(variant, args):
     return 0
 
 
+def decode_result(runs, outs, tok, records, opts):
+    """A decoding section's child result: the median-wall run's timings and counters, plus accuracy and tokens of
+    the outputs (the last run's; every run decodes the same)."""
+    r = sorted(runs, key=lambda r: r['wall'])[len(runs) // 2]
+    tokens = sum(len(o) for o in outs)
+    correct = sum(tok.decode(o).strip() == a.strip() for o, (_, a, _) in zip(outs, records))
+    return {**r, 'opts': opts, 'n': len(records), 'tokens': tokens, 'accuracy': 100 * correct / len(records),
+            'outs': outs}
+
 # -----------------------------------------------------------------------------
 # nemotron: a hybrid.py checkpoint decoded by the nemotron sampler, the exact KV cache vs the uncached block sampler
 # (every forward over the whole sequence, kernels.causal_prefix), and AR mode on the same model. The cache must
@@ -527,11 +535,7 @@ def nemotron_child(variant, args):
         for i in range(0, len(prompts), args.sample_batch):
             outs += run(prompts[i:i + args.sample_batch], stats)
         runs.append({'wall': time.perf_counter() - t0, 'cpu_s': time.process_time() - c0, **stats})
-    r = sorted(runs, key=lambda r: r['wall'])[len(runs) // 2]
-    tokens = sum(len(o) for o in outs)
-    correct = sum(tok.decode(o).strip() == a.strip() for o, (_, a, _) in zip(outs, records))
-    return {**r, 'opts': opts, 'n': len(records), 'tokens': tokens, 'accuracy': 100 * correct / len(records),
-            'outs': outs}
+    return decode_result(runs, outs, tok, records, opts)
 
 
 def nemotron_report(results, args):
@@ -607,11 +611,7 @@ def gemma_child(variant, args):
             for i in range(0, len(prompts), args.sample_batch):
                 outs += ours(prompts[i:i + args.sample_batch], stats)
         runs.append({'wall': time.perf_counter() - t0, 'cpu_s': time.process_time() - c0, **stats})
-    r = sorted(runs, key=lambda r: r['wall'])[len(runs) // 2]
-    tokens = sum(len(o) for o in outs)
-    correct = sum(tok.decode(o).strip() == a.strip() for o, (_, a, _) in zip(outs, records))
-    return {**r, 'opts': opts, 'n': len(records), 'tokens': tokens, 'accuracy': 100 * correct / len(records),
-            'outs': outs}
+    return decode_result(runs, outs, tok, records, opts)
 
 
 def gemma_report(results, args):

@@ -12,9 +12,11 @@ first canvas pass whose softmax-weighted embeddings feed the second pass for a s
     Σ CE(canvas -> clean) over every supervised token of ONE random block per example / #those tokens
   + encoder_loss_weight · Σ CE(encoder[i] -> clean[i+1]) over prompt + response + EOS fill / #pairs
 (flat: no 1/t; both chunked CE with the model's logit soft-cap). Sampling (sample.py --sampler gemma):
-entropy-bounded denoising of one canvas at a time from uniform noise, with adaptive stopping.
+entropy-bounded denoising of one canvas at a time from uniform noise, with adaptive stopping. DiffusionGemma has no
+paper (Google's model card and developer blog; transformers' implementation); the sampler's acceptance rule is the
+EB-sampler's, arXiv 2505.24857; uniform-state noise is D3PM's, arXiv 2107.03006.
 
-CPU, the embedded default (synthetic 3-digit addition, a ~1.9M-parameter MoE, prints held-out accuracy):
+CPU, the embedded default (synthetic 3-digit addition, a 1.85M-parameter MoE, prints held-out accuracy):
     python gemma_bd.py
 1 GPU, from a local DiffusionGemma checkpoint (the seeds' SFT recipe):
     python gemma_bd.py config/gemma_bd_sft.py --init_from=/path/to/diffusiongemma-26B-A4B-it --dataset=mydata

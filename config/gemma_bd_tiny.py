@@ -1,4 +1,4 @@
-# gemma_bd_tiny: the embedded default, spelled out. A ~1.9M-parameter DiffusionGemma (4 layers, d=128, 4 experts
+# gemma_bd_tiny: the embedded default, spelled out. A 1.85M-parameter DiffusionGemma (4 layers, d=128, 4 experts
 # top-2 next to a dense MLP; transformers' native DiffusionGemmaForBlockDiffusion) trained with uniform-token block
 # diffusion + the encoder AR loss on synthetic 3-digit addition (data/add, generated on first use), on a laptop CPU.
 # Launch:   python gemma_bd.py config/gemma_bd_tiny.py        (identical to plain `python gemma_bd.py`)

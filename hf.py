@@ -11,6 +11,7 @@ Everything the family scripts and sample.py need from the transformers API:
     attention_mask     a kernels.py mask_mod -> what the model's attention backend takes: a flex_attention
                        BlockMask when the model runs flex (CUDA), a dense bool (B, 1, Q, K) mask for SDPA (CPU)
     forward            logits of a forward with a mask, position ids, logits_to_keep and a KV cache
+    tapped_forward     the same plus chosen decoder layers' outputs, concatenated (DFlash's target features)
     new_cache, crop, keep_rows, drop_span   the KV-cache helpers the samplers use
     gemma_encode, gemma_decode   DiffusionGemma's two calls: the causal encoder pass that appends to the KV cache,
                        and the canvas (decoder) pass that reads it
@@ -223,6 +224,27 @@ def forward(model, x, *, mask=None, pos=None, keep=0, cache=None):
         kw.update(use_cache=True, **{cache_kw: cache})
     logits = model(input_ids=x, **kw).logits
     return logits[:, -keep:] if keep else logits
+
+
+def tapped_forward(model, x, layer_ids, *, mask=None, pos=None, cache=None, logits=True):
+    """One forward of a causal LM that also returns the outputs of decoder layers `layer_ids` (HF hidden_states[i + 1];
+    by HF convention the last entry is after the final norm), concatenated on the feature axis:
+    -> (logits (B, N, V) or None when logits=False (no LM head: DFlash training), feats (B, N, len(layer_ids)·C)).
+    mask, pos and cache as in forward()."""
+    decoder = model.get_decoder()
+    takes_pos, _, cache_kw = _forward_kwargs(getattr(decoder.forward, '__func__', decoder.forward))
+    kw = {'use_cache': False} if cache is None else {'use_cache': True, cache_kw: cache}
+    if mask is not None:
+        kw['attention_mask'] = mask
+    if pos is not None and takes_pos:
+        kw['position_ids'] = pos
+    out = decoder(input_ids=x, output_hidden_states=True, **kw)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    if not logits:
+        return None, feats
+    z = model.get_output_embeddings()(out.last_hidden_state)
+    cap = getattr(model.config, 'final_logit_softcapping', None)
+    return (cap * torch.tanh(z / cap) if cap else z), feats
 
 
 def new_cache(model=None):

@@ -97,7 +97,7 @@ class _ChunkedCE(torch.autograd.Function):
     """Forward computes loss and, when needed, the gradients; backward only scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, softcap, chunk_size, compiled, needs):
+    def forward(ctx, hidden, weight, targets, row_weights, softcap, chunk_size, compiled, needs, per_row):
         N, d = hidden.shape
         V = weight.shape[0]
         need_h, need_W, need_rw = needs
@@ -144,7 +144,7 @@ class _ChunkedCE(torch.autograd.Function):
         ctx.gh = gh
         ctx.gW = None if gW is None else gW.to(weight.dtype)  # no copy in fp32
         ctx.ce = ce if need_rw else None
-        n_correct = correct.sum()
+        n_correct = correct if per_row else correct.sum()
         ctx.mark_non_differentiable(n_correct)
         return (ce * row_weights).sum(), n_correct
 
@@ -158,10 +158,11 @@ class _ChunkedCE(torch.autograd.Function):
         gW = None if ctx.gW is None else ctx.gW.mul_(g_loss.to(ctx.gW.dtype))
         grw = None if ctx.ce is None else ctx.ce * g_loss
         ctx.gh = ctx.gW = ctx.ce = None
-        return gh, gW, None, grw, None, None, None, None
+        return gh, gW, None, grw, None, None, None, None, None
 
 
-def chunked_cross_entropy(hidden, weight, targets, *, row_weights=None, softcap=0.0, chunk_size=0, compiled=False):
+def chunked_cross_entropy(hidden, weight, targets, *, row_weights=None, softcap=0.0, chunk_size=0, compiled=False,
+                          per_row=False):
     """Σ_i w_i·CE(hidden_i @ weight.T, targets_i) without materialising the (N, V) logits.
 
     hidden (N, d) rows already selected, weight (V, d) LM head / tied embedding, targets (N,) long,
@@ -173,7 +174,8 @@ def chunked_cross_entropy(hidden, weight, targets, *, row_weights=None, softcap=
     softmax math in fp32, grad_weight is accumulated in fp32, grads come back in the input dtypes.
     Memory: chunk_size·V fp32 (+ the same in bf16 for bf16 inputs, + one more with softcap) + V·d fp32.
     Returns (loss_sum: 0-dim fp32 = Σ_i w_i·CE_i, n_correct: 0-dim long = Σ_i [argmax_i == target_i]),
-    where a target tied with another maximal logit counts as correct (exact ties only).
+    where a target tied with another maximal logit counts as correct (exact ties only); per_row=True
+    returns the (N,) bool row by row instead of the count (DFlash's per-offset accuracy and acceptance).
     Gradients are computed during the forward pass (only if grad mode is on and an input requires
     grad); backward just scales them, so a graph supports a single backward (no retain_graph).
     """
@@ -184,7 +186,7 @@ def chunked_cross_entropy(hidden, weight, targets, *, row_weights=None, softcap=
         dt = torch.get_autocast_dtype(dev)
         with torch.autocast(dev, enabled=False):
             return chunked_cross_entropy(hidden.to(dt), weight.to(dt), targets, row_weights=row_weights,
-                                         softcap=softcap, chunk_size=chunk_size, compiled=compiled)
+                                         softcap=softcap, chunk_size=chunk_size, compiled=compiled, per_row=per_row)
     assert hidden.dim() == 2 and weight.dim() == 2, f"kernels.py: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be 2-D"
     assert hidden.shape[1] == weight.shape[1], f"kernels.py: hidden dim {hidden.shape[1]} != weight dim {weight.shape[1]}"
     assert hidden.dtype == weight.dtype, f"kernels.py: hidden {hidden.dtype} and weight {weight.dtype} dtypes differ"
@@ -196,7 +198,7 @@ def chunked_cross_entropy(hidden, weight, targets, *, row_weights=None, softcap=
     needs = (on and hidden.requires_grad, on and weight.requires_grad, on and row_weights.requires_grad)
     chunk_size = chunk_size or auto_chunk_size(weight.shape[0])
     return _ChunkedCE.apply(hidden, weight, targets.long(), row_weights.float(), float(softcap),
-                            int(chunk_size), bool(compiled), needs)
+                            int(chunk_size), bool(compiled), needs, bool(per_row))
 
 
 def cross_entropy_reference(hidden, weight, targets, row_weights=None, softcap=0.0):

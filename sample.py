@@ -847,6 +847,116 @@ def sample_gemma(model, x, *, prompt_mask=None, gen_length=256, block_length=256
     return r.done()
 
 
+class Speculative(torch.nn.Module):
+    """A target causal LM and its DFlash draft (dflash.py), which the dflash sampler decodes with together.
+    load_checkpoint builds one from a dflash.py out_dir: the draft from its hf/, the target from the directory its
+    meta.json names. .config is the target's (its position limit bounds the canvas)."""
+
+    def __init__(self, target, draft):
+        super().__init__()
+        self.target, self.draft = target, draft
+        self.config = target.config
+
+
+def pick_tokens(logits, temperature, generator, mask_id):
+    """The target's token at each position of logits (..., V): argmax (T = 0) or a Gumbel-max draw at T, never
+    [MASK] (an input token of the draft, never an answer), as sample_ar picks them."""
+    if mask_id >= 0:
+        logits[..., mask_id] = -torch.inf
+    tok = kernels.add_gumbel_noise(logits, temperature, generator).argmax(-1)
+    check_finite(logits.gather(-1, tok[..., None]).double())
+    return tok
+
+
+@sampler('dflash', families=('dflash',), from_meta=('gen_length',),
+         report=lambda t: {'tau': t.get('accepted', 0) / max(t.get('rounds', 0), 1)},
+         preset=dict(gen_length=128, temperature=0.0))
+@torch.no_grad()
+def sample_dflash(model, x, *, prompt_mask=None, gen_length=128, temperature=0.0, mask_id=-1, eos_id=-1,
+                  generator=None, stats=None, callback=None):
+    """DFlash speculative decoding (methods.md §3.3, z-lab dflash_generate), batched: model is a Speculative pair.
+
+    Prefill the target on the prompts (KV cache, tapped features); its next token is the first anchor. Each round,
+    for every row still decoding:
+      draft  [anchor, MASK x (B-1)] in ONE draft forward: the block attends to itself and to the draft's cache of
+             the target's features of every committed token (the new features join the cache); drafts = argmax
+             (greedy, whatever the temperature, as the reference)
+      verify the block in ONE target forward (causal, KV cache): post[k] = the target's token after block slot k
+      accept acc = the longest prefix of drafts equal to post; commit post[:acc+1] (the accepted drafts and the
+             target's own bonus token: 1..B tokens per target forward); the anchor and accepted slots' features
+             become the draft's next context.
+    Every committed token is the target's own pick given the committed prefix, so greedy output equals the target's
+    greedy decoding (sample_ar) token for token, and at temperature T > 0 it is a sample from the target (accepting
+    by sampled-token match, as the reference; no p/q rejection step is needed since drafts are only proposals).
+    Batched (the reference decodes one prompt): rows accept different lengths, so each row's cache slots carry a
+    validity mask instead of a per-row crop: rejected drafts' slots stay in the target cache, masked out, and the
+    cache is cropped to the longest acceptance of the round. Rows that produced EOS or gen_length tokens leave the
+    batch (Rows). stats: nfe/row_nfe count TARGET forwards (the prefill included; tokens/forward in the --eval line
+    is therefore tokens per target forward), 'draft' the draft forwards, 'accepted'/'rounds' give the acceptance
+    length τ (mean tokens per verification round, the bonus included). Returns (B, P + gen_length)."""
+    need(isinstance(model, Speculative), 'the dflash sampler needs a dflash.py checkpoint (a draft and its target)')
+    check_common(temperature)
+    need(gen_length >= 1, f'gen_length must be >= 1, got {gen_length}')
+    target, draft = model.target, model.draft
+    bs, taps, M = draft.block_size, draft.target_layer_ids, draft.mask_token_id
+    B, P = x.shape
+    dev = x.device
+    x, key_valid, pos, _ = make_canvas(x, prompt_mask, gen_length + bs, M)  # room for a block past gen_length
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    tkv = hf.new_cache()
+    logits, feats = hf.tapped_forward(target, x[:, :P], taps, mask=key_valid[:, :P].long(), pos=pos[:, :P], cache=tkv)
+    _count(stats, B)
+    first = pick_tokens(logits[:, -1], temperature, generator, mask_id)  # (B,)
+    x[:, P] = first
+    r = Rows(x, P, M, eos_id, pos=pos, made=torch.ones(B, dtype=torch.long, device=dev), ended=first == eos_id,
+             tkv=tkv, tvalid=key_valid[:, :P], dkv=hf.new_cache(), dvalid=key_valid[:, :0], ctx=feats,
+             ctx_valid=key_valid[:, :P], ctx_pos=pos[:, :P])
+    if callback is not None:
+        r.report(callback, torch.ones(B, 1, dtype=torch.bool, device=dev), P)
+    k = torch.arange(bs, device=dev)
+    causal = k[None, :] <= k[:, None]  # (bs, bs) the block's own causal mask in the target
+    fin = (r.ended | (r.made >= gen_length)).cpu()
+    while not (fin.any() and r.retire(fin) == 0):
+        cols = P + r.made[:, None] - 1 + k  # (B', bs) the block's canvas slots: the anchor, then B - 1 drafts
+        blk = torch.full((r.n, bs), M, dtype=torch.long, device=dev)
+        blk[:, 0] = r.x.gather(1, cols[:, :1])[:, 0]
+        bpos = r.pos.gather(1, cols)  # (B', bs)
+        # draft: one forward over the block; the new context features join the draft cache
+        dmask = torch.cat([r.dvalid, r.ctx_valid, blk.new_ones(r.n, bs, dtype=torch.bool)], 1)[:, None, None]
+        h = draft(embed(blk).to(r.ctx.dtype), r.ctx, torch.cat([r.ctx_pos, bpos], 1),
+                  mask=dmask.expand(-1, 1, bs, -1), cache=r.dkv)  # (B', bs, C)
+        r.dvalid = torch.cat([r.dvalid, r.ctx_valid], 1)
+        if stats is not None:
+            stats['draft'] = stats.get('draft', 0) + 1
+        blk[:, 1:] = head(h[:, 1:]).argmax(-1)  # greedy drafts
+        # verify: one target forward over the block, causal, after the valid slots of its cache
+        tmask = torch.cat([r.tvalid[:, None, :].expand(-1, bs, -1), causal.expand(r.n, bs, bs)], 2)[:, None]
+        logits, feats = hf.tapped_forward(target, blk, taps, mask=tmask, pos=bpos, cache=r.tkv)
+        _count(stats, r.n)
+        post = pick_tokens(logits, temperature, generator, mask_id)  # (B', bs)
+        acc = (blk[:, 1:] == post[:, :-1]).long().cumprod(1).sum(1)  # (B',) accepted drafts
+        take = k[None, :] <= acc[:, None]  # (B', bs) committed: post[:, :acc + 1]
+        if eos_id >= 0:  # everything after a committed EOS is EOS, and the row is done
+            eos = (post == eos_id) & take
+            post = torch.where(eos.long().cumsum(1) > 0, eos_id, post)
+            r.ended = r.ended | eos.any(1)
+        r.x.scatter_(1, cols + 1, torch.where(take, post, M))
+        if stats is not None:
+            stats['accepted'] = stats.get('accepted', 0) + int((acc + 1).sum())
+            stats['rounds'] = stats.get('rounds', 0) + r.n
+        if callback is not None:
+            changed = torch.zeros(r.n, r.x.shape[1] - P, dtype=torch.bool, device=dev)
+            r.report(callback, changed.scatter_(1, cols + 1 - P, take), P)
+        # slots [0, m) of this block are valid in some row (m = the round's longest acceptance): the rest go
+        m = int(acc.max()) + 1
+        hf.crop(r.tkv, r.tvalid.shape[1] + m)
+        r.tvalid = torch.cat([r.tvalid, take[:, :m]], 1)
+        r.ctx, r.ctx_valid, r.ctx_pos = feats[:, :m], take[:, :m], bpos[:, :m]
+        r.made = r.made + acc + 1
+        fin = (r.ended | (r.made >= gen_length)).cpu()
+    return r.done()[:, :P + gen_length]
+
+
 def generate(model, prompts, *, sampler='llada', pad_id, eos_id=-1, mask_id=-1, generator=None, **kw):
     """Run SAMPLERS[sampler] on a list of prompts (lists of token ids); returns each row's generated ids, cut at the
     first eos_id. The model's device is used; kw go to the sampler (stats=, callback= included)."""
@@ -896,7 +1006,12 @@ def load_checkpoint(path, device='cpu', dtype=torch.float32, trust_remote_code=F
             meta = {**meta, 'tokenizer_path': d}
     weights = ', '.join(sorted(glob.glob(os.path.join(d, '*.safetensors')) + glob.glob(os.path.join(d, '*.bin'))))
     try:
-        model = hf.load_pretrained(d, device, dtype, trust_remote_code)
+        if meta.get('family') == 'dflash':  # a draft: its target is the directory meta.json names
+            model = load_dflash(d, meta, device, dtype, trust_remote_code)
+        else:
+            model = hf.load_pretrained(d, device, dtype, trust_remote_code)
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from e
     except Exception as e:  # a truncated or corrupt weights file: name it, not a traceback
         raise ValueError(f'cannot load the weights in {weights or d}: {str(e).strip().splitlines()[0]}') from e
     bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
@@ -907,6 +1022,18 @@ def load_checkpoint(path, device='cpu', dtype=torch.float32, trust_remote_code=F
         meta.setdefault(k, getattr(tokenizer, k, -1))
     print(f"loaded {d} (step {meta.get('step', 'unknown')})", file=sys.stderr)
     return model, tokenizer, meta
+
+
+def load_dflash(d, meta, device, dtype, trust_remote_code=False):
+    """A dflash.py export d (the draft) + the target its meta.json names -> Speculative(target, draft), eval mode."""
+    import dflash
+    t = meta.get('target', '')
+    if not os.path.isfile(os.path.join(t, 'config.json')):
+        raise FileNotFoundError(f"{os.path.join(d, 'meta.json')}: its target {t!r} (the AR model the draft was trained "
+                                f"for) has no config.json; restore it there")
+    draft = dflash.DFlashDraftModel.from_pretrained(d, dtype=dtype)
+    target = hf.load_pretrained(t, device, dtype, trust_remote_code)
+    return Speculative(target, draft).to(device).eval()
 
 
 def default_sampler(meta):

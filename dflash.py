@@ -1,0 +1,1046 @@
+"""
+dflash.py: DFlash, a block-diffusion drafter for lossless speculative decoding of a frozen autoregressive target.
+
+A few Qwen3-style layers draft a whole block at once: the block is [the last committed token, MASK x (B-1)], its
+queries attend bidirectionally to the block and to the target's own features of every earlier token (the outputs of
+a few target layers, concatenated, projected and normed, injected as extra keys/values in every draft layer); the
+embeddings and the LM head are the frozen target's. The target then verifies the block in one forward and keeps the
+longest prefix it agrees with plus its own next token, so the output is exactly the target's (DFlash, arXiv
+2602.06036, Chen, Liang, Liu). Loss: per block, offsets k = 1..B-1 weighted exp(-(k-1)/gamma),
+Σ w_k·CE(draft logits, x_{a+k}) / (the global number of predicted tokens).
+
+CPU, the embedded default (a ~0.3M-parameter draft for the tiny ar.py sudoku model; train that target first with
+`python ar.py config/ar_sudoku.py`, ~12 minutes), prints the held-out accuracy and the acceptance length:
+    python dflash.py
+1 GPU, a Qwen3-4B target from a local directory (the seeds' recipe):
+    python dflash.py config/dflash_qwen3.py --target=/path/to/Qwen3-4B --data_dir=data/mychat
+8 GPUs:
+    torchrun --standalone --nproc_per_node=8 dflash.py config/dflash_qwen3.py --target=/path/to/Qwen3-4B
+Fine-tune a published draft (z-lab/Qwen3-4B-DFlash-b16 format) from a local directory:
+    python dflash.py config/dflash_qwen3.py --init_from=/path/to/Qwen3-4B-DFlash-b16 --target=/path/to/Qwen3-4B
+Re-roll a chat JSONL's answers with the target itself (the data DFlash trains on; batched, resumable):
+    python dflash.py --regenerate=data/sudoku_regen/train.jsonl --regenerate_input=data/sudoku/train.jsonl
+Resume (bit-exact on CPU):
+    python dflash.py --init_from=resume
+Sample from the result (the target comes from out-dflash/hf/meta.json):
+    python sample.py --checkpoint out-dflash --prompt "1.../...4/2.../...3"
+
+Layout: the library half (importable, no side effects) holds the draft model, anchor sampling and the loss; the
+script half under `if __name__ == '__main__':` holds config -> configurator -> distributed init -> data -> model ->
+training loop. Deliberate differences from the references are listed in the README (dflash.py section).
+"""
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+
+import torch
+import torch.nn as nn
+# the draft is a Qwen3 variant: its norms, MLP and RoPE are transformers' own, so a published DFlash draft
+# (Qwen3Config + block_size + dflash_config) loads with from_pretrained and computes what its remote code computes
+from transformers.models.qwen3.modeling_qwen3 import (Qwen3Config, Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm,
+                                                      Qwen3RotaryEmbedding, rotate_half)
+
+import hf
+import kernels
+from data.loader import collate
+
+# -----------------------------------------------------------------------------
+# model
+
+def check_mask_id(mask_id, vocab_size, pad_id=-1, eos_id=-1):
+    """mask_id must be a real embedding row and must not collide with pad/eos (they are trained as content)."""
+    if not (0 <= mask_id < vocab_size):
+        raise ValueError(f'mask_id={mask_id} is outside the vocabulary [0, {vocab_size})')
+    if mask_id in (pad_id, eos_id):
+        raise ValueError(f'mask_id={mask_id} equals the {"pad" if mask_id == pad_id else "eos"} id; pick a dedicated mask token')
+
+
+def default_target_layer_ids(n_target_layers, n_draft_layers):
+    """The target layers whose outputs the draft reads (methods.md §3.1): the middle one for a one-layer draft, else
+    round(1 + i·(L_t - 4)/(n - 1)), an even spread over [1, L_t - 3] (Qwen3-8B, 36 layers, 5 draft layers:
+    [1, 9, 17, 25, 33]). Layer i's output is HF hidden_states[i + 1]."""
+    if n_draft_layers == 1:
+        return [n_target_layers // 2]
+    return [round(1 + i * (n_target_layers - 4) / (n_draft_layers - 1)) for i in range(n_draft_layers)]
+
+
+def loss_gamma(block_size, gamma=0.0):
+    """The decay of the loss weights: gamma if > 0, else the paper's 7 / 5 / 4 for B = 16 / 10 / 8 (NeMo's
+    max(2, B/2) for other sizes)."""
+    return gamma if gamma > 0 else {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(2.0, block_size / 2))
+
+
+def decay_weights(block_size, gamma):
+    """(B - 1,) float32: w_k = exp(-(k - 1)/gamma) for the predicted offsets k = 1..B-1 (the anchor, k = 0, is
+    given, not predicted). An early miss ends the accepted prefix, so early offsets weigh most."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def apply_rope(x, cos, sin):
+    """RoPE on x (B, H, T, hd) with cos/sin (B, T, hd) (Qwen3's rotate-half convention)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    """GQA attention with q/k-norm whose queries are the block's tokens and whose keys/values are
+    [k_proj(context features) ; k_proj(block states)] (KV injection). With a cache (a transformers DynamicCache),
+    the context's keys/values are appended to it and the block's are used once and never stored."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hd = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        self.nh, self.nkv = config.num_attention_heads, config.num_key_value_heads
+        C, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(C, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(C, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(C, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, C, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.hd, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.hd, eps=config.rms_norm_eps)
+
+    def forward(self, h, ctx, cos, sin, mask, cache=None):
+        """h (B, Q, C) normed block states, ctx (B, K, C) fused context features (the new ones when cached),
+        cos/sin (B, K + Q, hd) for [context ; block] positions, mask (B, 1, Q, cached + K + Q) or a BlockMask."""
+        B, Q, _ = h.shape
+        K = ctx.shape[1]
+        heads = lambda t, n: t.view(B, -1, n, self.hd)
+        q = self.q_norm(heads(self.q_proj(h), self.nh)).transpose(1, 2)  # (B, H, Q, hd)
+        kv_in = torch.cat([ctx, h], dim=1)  # (B, K + Q, C): the context is not layer-normed (as the reference)
+        k = self.k_norm(heads(self.k_proj(kv_in), self.nkv)).transpose(1, 2)  # (B, Hkv, K + Q, hd)
+        v = heads(self.v_proj(kv_in), self.nkv).transpose(1, 2)
+        q, k = apply_rope(q, cos[:, K:], sin[:, K:]), apply_rope(k, cos, sin)
+        if cache is not None:  # the context's keys/values join the cache; the block's are used once
+            kc, vc = cache.update(k[:, :, :K], v[:, :, :K], self.layer_idx)
+            k, v = torch.cat([kc, k[:, :, K:]], dim=2), torch.cat([vc, v[:, :, K:]], dim=2)
+        y = kernels.attention(q, k, v, mask, scale=self.hd ** -0.5)  # (B, H, Q, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, Q, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP, as a Qwen3 layer; the same fused context goes to every layer."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, h, ctx, cos, sin, mask, cache=None):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(Qwen3PreTrainedModel):
+    """The draft, in the public DFlash format (z-lab/Qwen3-4B-DFlash-b16: a Qwen3Config with block_size,
+    num_target_layers and dflash_config {mask_token_id, target_layer_ids}; parameters layers.*, norm, fc,
+    hidden_norm), so such a draft loads with DFlashDraftModel.from_pretrained(dir) and trains further.
+    No embeddings, no LM head: those are the frozen target's."""
+    config_class = Qwen3Config
+    base_model_prefix = 'dflash'
+    _no_split_modules = ['DFlashDecoderLayer']
+
+    def __init__(self, config):
+        super().__init__(config)
+        dc = getattr(config, 'dflash_config', None) or {}
+        self.target_layer_ids = list(dc.get('target_layer_ids') or default_target_layer_ids(
+            config.num_target_layers, config.num_hidden_layers))
+        self.mask_token_id = dc.get('mask_token_id', -1)
+        self.block_size = config.block_size
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    def forward(self, noise_embedding, target_hidden, position_ids, mask=None, cache=None):
+        """noise_embedding (B, Q, C): the target's embeddings of the block tokens; target_hidden (B, K, n·C): the
+        tapped target features of the context (the new ones when cached); position_ids (B, K + Q) for
+        [context ; block]; mask over [cached context ; context ; block] keys. -> (B, Q, C) final-normed states,
+        for the target's LM head."""
+        ctx = self.hidden_norm(self.fc(target_hidden))  # (B, K, C)
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)  # (B, K + Q, hd) each
+        h = noise_embedding
+        for layer in self.layers:
+            h = layer(h, ctx, cos, sin, mask, cache)
+        return self.norm(h)
+
+
+def build_draft(target_config, *, n_layer, n_head, n_kv_head, n_embd, intermediate_size, block_size, mask_id,
+                target_layer_ids=None):
+    """A fresh draft for a target (its hidden size, vocabulary and RoPE), in the public DFlash config format."""
+    import transformers
+    t = target_config.get_text_config()
+    if n_embd != t.hidden_size:
+        raise ValueError(f"n_embd={n_embd} must equal the target's hidden size {t.hidden_size} (the draft reads "
+                         f"the target's embeddings and feeds its LM head)")
+    n_t = t.num_hidden_layers
+    ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(n_t, n_layer)
+    if not all(0 <= i < n_t for i in ids):
+        raise ValueError(f'target_layer_ids={ids} must lie in [0, {n_t}) (the target has {n_t} layers)')
+    rope = getattr(t, 'rope_parameters', None) or {'rope_type': 'default', 'rope_theta': getattr(t, 'rope_theta', 1e4)}
+    config = transformers.Qwen3Config(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=intermediate_size or t.intermediate_size,
+        num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
+        head_dim=t.hidden_size // n_head, rms_norm_eps=getattr(t, 'rms_norm_eps', 1e-6),
+        max_position_embeddings=t.max_position_embeddings, rope_parameters=dict(rope), tie_word_embeddings=False)
+    config.architectures = ['DFlashDraftModel']
+    config.block_size, config.num_target_layers = block_size, n_t
+    config.dflash_config = {'mask_token_id': mask_id, 'target_layer_ids': ids}
+    return DFlashDraftModel(config)
+
+
+class DFlash(nn.Module):
+    """The draft and its loss in one forward, so DDP/FSDP hooks see a single call per micro-step. The frozen
+    target is held outside the module tree (not a submodule: DDP/FSDP and the optimizer see the draft only); it
+    runs once per sequence under no_grad and lends its embeddings and LM head."""
+
+    def __init__(self, draft, target, *, weights, compiled_ce=False):
+        super().__init__()
+        self.draft = draft
+        self.__dict__['target'] = target  # plain attribute: not a submodule
+        self.softcap = float(getattr(target.config.get_text_config(), 'final_logit_softcapping', None) or 0.0)
+        self.compiled_ce = compiled_ce
+        self.register_buffer('w', weights, persistent=False)  # (B-1,) decay weights
+
+    def draft_states(self, feats, x0, anchors, keep):
+        """The draft's final states (R, N·bs, C) of every block, given the target's features feats (R, S, n·C) of
+        x0 (R, S): block n is [x0[a_n], MASK x (bs-1)] at positions a_n..a_n+bs-1 and sees the context strictly
+        before a_n plus its own block (kernels.dflash; never the unmasked single-block shortcut of NeMo (A), whose
+        context includes the positions it predicts, reference §13.1)."""
+        R, S = x0.shape
+        N, bs = anchors.shape[1], self.draft.block_size
+        block = torch.full((R, N, bs), self.draft.mask_token_id, dtype=torch.long, device=x0.device)
+        block[:, :, 0] = torch.where(keep, x0.gather(1, anchors), self.draft.mask_token_id)  # [x_a, M, ..., M]
+        emb = self.target.get_input_embeddings()(block.view(R, N * bs))  # (R, N·bs, C), frozen
+        at = anchors[:, :, None] + torch.arange(bs, device=x0.device)  # (R, N, bs) each slot's position
+        pos = torch.cat([torch.arange(S, device=x0.device).expand(R, S), at.view(R, -1)], dim=1)
+        mask = kernels.attention_mask(kernels.dflash(S, bs, anchors, keep), R, N * bs, S + N * bs, x0.device)
+        return self.draft(emb.to(feats.dtype), feats, pos, mask)
+
+    def forward(self, x0, key_valid, anchors, keep, loss_mask):
+        """x0 (R, S) clean tokens (right-padded), key_valid (R, S) bool real tokens, anchors/keep (R, N) from
+        sample_anchors, loss_mask (R, S) the supervised tokens. -> (Σ w·CE over the predicted tokens, stats (2·(B-1)
+        + 2,) float: correct per offset, count per offset, Σ (accepted-prefix length + 1), blocks with a target)."""
+        R, S = x0.shape
+        N, bs = anchors.shape[1], self.draft.block_size
+        with torch.no_grad():  # the frozen target, once per sequence: its features of every position
+            _, feats = hf.tapped_forward(self.target, x0, self.draft.target_layer_ids, logits=False,
+                                         mask=None if bool(key_valid.all()) else key_valid.long())  # (R, S, n·C)
+        h = self.draft_states(feats, x0, anchors, keep)  # (R, N·bs, C)
+        at = anchors[:, :, None] + torch.arange(bs, device=x0.device)  # (R, N, bs)
+        tgt_pos = at[:, :, 1:].clamp(max=S - 1)  # (R, N, bs-1) the predicted tokens' positions
+        valid = keep[:, :, None] & (at[:, :, 1:] < S) & loss_mask.gather(1, tgt_pos.view(R, -1)).view_as(tgt_pos).bool()
+        targets = x0.gather(1, tgt_pos.view(R, -1)).view_as(tgt_pos)
+        sel = h.view(R, N, bs, -1)[:, :, 1:][valid]  # (M, C) only the predicted rows reach the head
+        W = self.target.get_output_embeddings().weight  # (V, C) frozen
+        w = self.w.expand_as(valid)[valid]
+        loss, right = kernels.chunked_cross_entropy(sel, W.to(sel.dtype), targets[valid], row_weights=w,
+                                                    softcap=self.softcap, compiled=self.compiled_ce, per_row=True)
+        correct = torch.zeros_like(valid)
+        correct[valid] = right
+        # acceptance: the leading run of right drafts (a slot past the answer neither breaks nor counts) + the bonus
+        run = torch.cumprod((correct | ~valid).long(), dim=2) * valid  # (R, N, bs-1)
+        has = valid.any(2)
+        stats = torch.cat([correct.sum((0, 1)), valid.sum((0, 1)),
+                           torch.stack([((run.sum(2) + 1) * has).sum(), has.sum()])]).float()
+        return loss, stats
+
+# -----------------------------------------------------------------------------
+# anchors (DFlash's "corruption": which blocks a sequence trains)
+
+def corruption_seeds(seed, step, global_rows, global_batch):
+    """One 63-bit seed per row, a pure function of (seed, step, row's place in the global batch): the same rows get
+    the same anchors whatever the world size / accumulation split, and a resumed run replays them (NeMo §2.2)."""
+    idx = step * global_batch + global_rows.long()  # (B,)
+    return (seed + 2**45 + 2654435761 * idx) & (2**63 - 1)
+
+
+def sample_anchors(loss_mask, *, n_blocks, block_size, overlap, seeds):
+    """Per row, up to n_blocks anchor positions a (sorted), drawn without replacement from the supervised positions
+    whose next token is supervised too (an anchor is a committed response token; its block predicts a+1..a+B-1).
+    overlap=False keeps the blocks [a, a + B) disjoint (a random greedy packing). Per-row generators from seeds.
+    -> anchors (R, n_blocks) long (0 in unused slots), keep (R, n_blocks) bool."""
+    R, S = loss_mask.shape
+    sup = loss_mask.bool()
+    cand = sup & torch.cat([sup[:, 1:], torch.zeros_like(sup[:, :1])], dim=1)  # (R, S)
+    anchors = torch.zeros(R, n_blocks, dtype=torch.long)
+    keep = torch.zeros(R, n_blocks, dtype=torch.bool)
+    for r in range(R):
+        g = torch.Generator().manual_seed(int(seeds[r]))
+        c = cand[r].nonzero()[:, 0]
+        order = c[torch.randperm(len(c), generator=g)]
+        if overlap:
+            chosen = order[:n_blocks]
+        else:
+            chosen = []
+            for a in order.tolist():
+                if all(abs(a - b) >= block_size for b in chosen):
+                    chosen.append(a)
+                    if len(chosen) == n_blocks:
+                        break
+            chosen = torch.tensor(chosen, dtype=torch.long)
+        chosen = chosen.sort().values
+        anchors[r, :len(chosen)], keep[r, :len(chosen)] = chosen, True
+    return anchors, keep
+
+
+def make_batch(examples, seeds, *, pad_id, eos_id, max_seq_len, n_blocks, block_size, overlap,
+               pad_seq_len_divisible=1):
+    """[(ids, loss_mask)] -> one micro-batch dict: x0 (R, S), key_valid (R, S) bool, loss_mask (R, S), anchors and
+    keep (R, N) and predicted (the number of predicted tokens: the loss denominator's share of this micro-batch)."""
+    b = collate(examples, pad_id=pad_id, eos_id=eos_id, max_seq_len=max_seq_len,
+                pad_seq_len_divisible=pad_seq_len_divisible, supervise_padding=False)
+    x0, lm = b['input_ids'], b['loss_mask']
+    anchors, keep = sample_anchors(lm, n_blocks=n_blocks, block_size=block_size, overlap=overlap, seeds=seeds)
+    S = x0.shape[1]
+    at = anchors[:, :, None] + torch.arange(1, block_size)  # (R, N, bs-1)
+    pred = keep[:, :, None] & (at < S) & lm.gather(1, at.clamp(max=S - 1).view(len(x0), -1)).view_as(at).bool()
+    return dict(x0=x0, key_valid=b['attention_mask'].bool(), loss_mask=lm, anchors=anchors, keep=keep,
+                predicted=int(pred.sum()))
+
+# -----------------------------------------------------------------------------
+# settings
+
+def family_settings_error(c):
+    """dflash's own bad settings as one line, or None; see settings_error for the ones every family shares."""
+    if c['block_size'] < 2:
+        return f"block_size={c['block_size']} must be >= 2 (the anchor + at least one drafted token)"
+    if c['num_blocks_per_sample'] < 1:
+        return f"num_blocks_per_sample={c['num_blocks_per_sample']} must be >= 1"
+    if c['loss_decay_gamma'] < 0:
+        return f"loss_decay_gamma={c['loss_decay_gamma']} must be >= 0 (0: the paper's default for the block size)"
+    if c['mask_id'] < -1:
+        return f"mask_id={c['mask_id']} must be >= -1 (-1: from meta.json)"
+    if c['target_layer_ids'] and not re.fullmatch(r'\d+(,\d+)*', c['target_layer_ids']):
+        return f"target_layer_ids={c['target_layer_ids']!r} must be comma-separated layer indices like '1,2' ('' = " \
+               f"the default spread)"
+    if not c['target']:
+        return 'target is empty: give the AR model to draft for (an ar.py out_dir or a local HF causal-LM dir)'
+    if c['regenerate_temperature'] < 0 or c['regenerate_batch_size'] < 1:
+        return (f"regenerate_temperature={c['regenerate_temperature']} must be >= 0 and regenerate_batch_size="
+                f"{c['regenerate_batch_size']} >= 1")
+    return None
+
+# -----------------------------------------------------------------------------
+# data regeneration: the target's own answers (DFlash trains on them: what the draft must guess is what the target
+# will say, not what a dataset says)
+
+def regenerate_answers(target, tokenizer, in_path, out_path, *, pad_id, eos_id, mask_id, max_new_tokens, temperature,
+               batch_size, seed, log=print):
+    """Re-roll the last (assistant) turn of every record of the chat JSONL in_path with the target (the `ar`
+    sampler, KV-cached, batched) into out_path, the same records with the target's answers. Resumable: records
+    already in out_path are skipped (a torn last line is dropped first), and batch i always draws from a generator
+    seeded (seed, i), so a resumed file equals an uninterrupted one. -> the number of records written now."""
+    import sample as sampler_lib
+    from data.prepare import read_chat_jsonl
+    records = [msgs for _, msgs in read_chat_jsonl(in_path)]
+    done = 0
+    if os.path.exists(out_path):
+        with open(out_path, 'rb') as f:
+            data = f.read()
+        whole = data[:data.rfind(b'\n') + 1]  # complete lines only
+        if len(whole) != len(data):
+            with open(out_path, 'wb') as f:
+                f.write(whole)
+        done = whole.count(b'\n')
+    if done > len(records):
+        raise ValueError(f'{out_path} has {done} records but {in_path} only {len(records)}: not a regeneration of it')
+    device = next(target.parameters()).device
+    written = 0
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, 'a') as f:
+        for i in range(done // batch_size * batch_size, len(records), batch_size):
+            batch = records[i:i + batch_size]
+            prompts = [sampler_lib.encode_prompt(tokenizer, m[:-1], raw=False) for m in batch]
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + i // batch_size)
+            outs = sampler_lib.generate(target, prompts, sampler='ar', pad_id=pad_id, eos_id=eos_id, mask_id=mask_id,
+                                        generator=gen, gen_length=max_new_tokens, temperature=temperature)
+            for j, (m, o) in enumerate(zip(batch, outs)):
+                if i + j >= done:  # a resumed run re-decodes its first batch and writes only the missing records
+                    f.write(json.dumps({'messages': m[:-1] + [{'role': 'assistant',
+                                                               'content': tokenizer.decode(o)}]}) + '\n')
+                    written += 1
+            f.flush()
+            os.fsync(f.fileno())
+            log(f'regenerated {min(i + batch_size, len(records))}/{len(records)} records into {out_path}')
+    return written
+
+# -----------------------------------------------------------------------------
+# skeleton helpers
+# (every family script has this section verbatim: tests/test_family_contract.py compares the copies)
+
+MODEL_KEYS = ('model_type', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'intermediate_size', 'rope_theta')  # shape
+
+
+def get_lr(it, *, learning_rate, min_lr, warmup_iters, lr_decay_iters):
+    """Linear warmup, then cosine decay to min_lr at lr_decay_iters, then flat."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it >= lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / max(lr_decay_iters - warmup_iters, 1)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+def git_commit():
+    """The source's git commit (+ '-dirty' with uncommitted changes), or '' outside a git checkout."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        run = lambda *a: subprocess.run(['git', *a], cwd=here, capture_output=True, text=True, timeout=10)
+        head = run('rev-parse', '--short=12', 'HEAD')
+        if head.returncode:
+            return ''
+        dirty = run('status', '--porcelain', '--untracked-files=no').stdout.strip()
+        return head.stdout.strip() + ('-dirty' if dirty else '')
+    except (OSError, subprocess.SubprocessError):
+        return ''
+
+
+def settings_error(c, model_types=('qwen3', 'llama')):
+    """The first bad setting of the resolved config c as one line, or None. Run before any data, model or step, so
+    a bad eval setting cannot surface after hours of training; family_settings_error adds the family's own.
+    model_types: the scratch architectures the family builds (gemma_bd.py: its own)."""
+    import importlib.util
+    for k in ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'learning_rate', 'log_interval', 'max_seq_len',
+              'pad_seq_len_divisible', 'gen_length'):
+        if k in c and not c[k] > 0:
+            return f'{k}={c[k]!r} must be > 0' + (': nothing to train' if k == 'max_iters' else '')
+    for k in ('eval_interval', 'eval_iters', 'eval_samples', 'ckpt_interval', 'ckpt_interval_min', 'warmup_iters',
+              'min_lr', 'weight_decay', 'grad_clip', 'intermediate_size'):
+        if k in c and c[k] < 0:
+            return f'{k}={c[k]!r} must be >= 0'
+    if not (0 <= c['beta1'] < 1 and 0 <= c['beta2'] < 1):
+        return f"beta1={c['beta1']} and beta2={c['beta2']} must be in [0, 1)"
+    if c['init_from'] == 'scratch':  # the shape keys build the model only from scratch
+        if min(c['n_layer'], c['n_head'], c['n_kv_head'], c['n_embd']) < 1:
+            return 'n_layer, n_head, n_kv_head and n_embd must be > 0'
+        if c['n_embd'] % c['n_head'] or c['n_embd'] // c['n_head'] % 2:
+            return f"n_embd={c['n_embd']} must be n_head={c['n_head']} x an even head size (RoPE rotates pairs)"
+        if c['n_head'] % c['n_kv_head']:
+            return f"n_head={c['n_head']} must be divisible by n_kv_head={c['n_kv_head']}"
+        if c['model_type'] not in model_types:
+            return f"model_type={c['model_type']!r} must be " + ' or '.join(map(repr, model_types))
+    if c['dtype'] not in ('auto', 'float32', 'bfloat16'):
+        return f"dtype={c['dtype']!r} must be 'auto', 'float32' or 'bfloat16'"
+    if not re.fullmatch(r'auto|cpu|cuda(:\d+)?', c['device']):
+        return f"device={c['device']!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"
+    if c['device'].startswith('cuda') and int(c['device'][5:] or 0) >= torch.cuda.device_count():
+        return f"device={c['device']!r} but torch {torch.__version__} sees {torch.cuda.device_count()} CUDA devices"
+    if c['wandb_log'] and importlib.util.find_spec('wandb') is None:
+        return 'wandb_log=True but wandb is not installed (pip install wandb, or --wandb_log=False)'
+    return None
+
+
+def resume_error(config, given, saved):
+    """On resume: the first model-shape key set on this run (given: {key: where}) to a value other than the one the
+    checkpoint's model was built with (saved: its config), as one line; None if they agree."""
+    for k in MODEL_KEYS:
+        if k in given and k in saved and config[k] != saved[k]:
+            return (f"{k}={config[k]!r} ({given[k]}) but the checkpoint was trained with {k}={saved[k]!r}; a resumed "
+                    f"run keeps its model: drop {k}, or start over with --init_from=scratch --overwrite=True")
+    return None
+
+
+def lock_out_dir(out_dir):
+    """(open lock file, None) once this process holds out_dir/lock, else (None, one line naming the holder's PID).
+    The kernel drops an flock when its holder exits or is killed, so a lock file left by a dead run is simply taken
+    over. Keep the file open for the run's life."""
+    import fcntl
+    f = open(os.path.join(out_dir, 'lock'), 'a+')
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or '?'
+        f.close()
+        return None, f'{out_dir} is in use by another run (PID {pid}); wait for it to end or pick another out_dir'
+    f.truncate(0)
+    f.write(f'{os.getpid()}\n')
+    f.flush()
+    return f, None
+
+
+def die_at(phase, step):
+    """Test hook (tests/test_reliability.py): NANODLM_DIE_AT=<phase> or <phase>:<step> makes this process SIGKILL
+    itself there: 'step' (mid-step), 'save' (ckpt.pt.tmp written), 'renamed' (ckpt.pt replaced), 'export' (hf.tmp
+    written). Unset, it does nothing."""
+    if os.environ.get('NANODLM_DIE_AT') in (phase, f'{phase}:{step}'):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_run(out_dir, ckpt, model, state_dict, meta, tokenizer):
+    """out_dir/ckpt.pt, then the HF export out_dir/hf (meta.json records the step), each replaced whole: ckpt.pt.tmp
+    is renamed over ckpt.pt, and a complete hf.tmp over hf (hf -> hf.old, hf.tmp -> hf). A kill at any point leaves
+    a loadable ckpt.pt and a whole hf/, which may be older than ckpt.pt (its meta.json says which step it is); a
+    kill between the two renames leaves hf.old, which the next run puts back."""
+    path, step = os.path.join(out_dir, 'ckpt.pt'), ckpt['step']
+    torch.save(ckpt, path + '.tmp')
+    die_at('save', step)
+    os.replace(path + '.tmp', path)
+    die_at('renamed', step)
+    hf_dir = os.path.join(out_dir, 'hf')
+    tmp, old = hf_dir + '.tmp', hf_dir + '.old'
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    if hasattr(tokenizer, 'save'):
+        tokenizer.save(tmp)
+    with open(os.path.join(tmp, 'meta.json'), 'w') as f:
+        json.dump({**meta, 'step': step}, f, indent=1)
+    die_at('export', step)
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(hf_dir):
+        os.replace(hf_dir, old)
+    os.replace(tmp, hf_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_run(path):
+    """The checkpoint at path (plain tensors), or RuntimeError: one line naming the file and what else is usable."""
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:  # truncated or corrupt: zip, pickle and EOF errors, depending on where the damage is
+        hf_dir = os.path.join(os.path.dirname(path), 'hf')
+        try:
+            with open(os.path.join(hf_dir, 'meta.json')) as f:
+                alt = (f"the last good alternative is {hf_dir} (step {json.load(f)['step']}, weights only, no "
+                       f"optimizer state): --init_from={hf_dir} --overwrite=True")
+        except (OSError, ValueError, KeyError):
+            alt = 'nothing else there is usable: start over with --overwrite=True'
+        raise RuntimeError(f'{path} is truncated or corrupt ({type(e).__name__}); {alt}') from None
+
+
+class StopSignal:
+    """SIGINT/SIGTERM during training: the first sets .signum (the loop saves a checkpoint after the step, then
+    exits 128 + signum); another one more than a second later exits at once (torchrun passes the terminal's Ctrl-C
+    on to its workers, so each sees the first one twice)."""
+
+    def __init__(self):
+        self.signum, self.time = 0, 0.0
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self)
+
+    def __call__(self, signum, frame):
+        if self.signum and time.time() - self.time > 1:
+            os._exit(128 + signum)
+        if not self.signum:
+            self.signum, self.time = signum, time.time()
+            os.write(2, f'{signal.Signals(signum).name}: saving a checkpoint after this step, then stopping '
+                        f'(send it again to stop at once)\n'.encode())
+
+# -----------------------------------------------------------------------------
+if __name__ == '__main__':
+    # -------------------------------------------------------------------------
+    # config (every key: --key=value or a config/*.py file; `python dflash.py --help` lists them)
+    # I/O
+    out_dir = 'out-dflash'  # checkpoints (ckpt.pt), the HF export of the draft (hf/) and log.txt
+    init_from = 'scratch'  # 'scratch' | 'resume' (from out_dir/ckpt.pt) | a local DFlash draft dir to fine-tune
+    target = 'out-ar-sudoku'  # the frozen AR target: an ar.py out_dir or a local HF causal-LM dir
+    trust_remote_code = False  # needed for targets with custom code; only set it for code you trust
+    overwrite = False  # a fresh run may replace an out_dir's ckpt.pt (else: refused; init_from=resume continues it)
+    eval_interval = 500  # steps between evals + checkpoints (0 = only at the end)
+    ckpt_interval = 0  # also save a checkpoint every this many steps (0 = off)
+    ckpt_interval_min = 5.0  # also save one after this many minutes of wall time since the last (0 = off)
+    log_interval = 10  # steps between log lines
+    eval_iters = 2  # val batches for the val loss and draft accuracy
+    eval_samples = 500  # val prompts decoded speculatively for exact match and acceptance length (0 = skip)
+    wandb_log = False  # log to Weights & Biases (imported only when enabled)
+    wandb_project = 'nanodlm'  # wandb project
+    wandb_run_name = 'dflash'  # wandb run name
+    # data
+    dataset = 'sudoku'  # synthetic task ('add'|'sort'|'sudoku', generated into data/<task>) or a prepared dir in data/
+    data_dir = ''  # '' = data/<dataset>; any dir with meta.json + {train,val}.bin from data/prepare.py
+    batch_size = 64  # examples per micro-batch per rank
+    gradient_accumulation_steps = 1  # micro-steps per optimizer step, in total over all ranks (divided by world size)
+    max_seq_len = 64  # longer examples are dropped at prepare time; collation caps rows here
+    pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
+    # regeneration (instead of training: the target re-answers a chat JSONL; then prepare it with data/prepare.py)
+    regenerate = ''  # output chat JSONL ('' = train as usual)
+    regenerate_input = ''  # chat JSONL to re-answer ('' = <data_dir>/train.jsonl)
+    regenerate_temperature = 0.0  # the target's sampling temperature (0 = greedy, the paper-faithful recipe)
+    regenerate_batch_size = 64  # prompts per batched decode
+    # model (the draft; its hidden size, vocabulary and RoPE are the target's)
+    model_type = 'qwen3'  # the draft is Qwen3-style (the public DFlash format); the only choice
+    n_layer = 2  # draft layers (scratch; the paper: 5)
+    n_head = 4  # attention heads (scratch)
+    n_kv_head = 4  # key/value heads (scratch; < n_head = GQA)
+    n_embd = 128  # hidden size: must equal the target's (scratch)
+    intermediate_size = 0  # MLP hidden size (scratch; 0 = the target's)
+    target_layer_ids = ''  # target layers the draft reads, e.g. '1,2' ('' = the paper's spread over the target)
+    block_size = 8  # tokens per drafted block: the anchor + block_size - 1 guesses
+    mask_id = -1  # [MASK] token id (a reserved token, never pad/eos); -1 = from meta.json / the tokenizer
+    # training
+    num_blocks_per_sample = 16  # anchors per sequence, drawn among the response tokens (the paper: 512)
+    overlap_anchors = True  # anchors may lie inside another anchor's block (else the blocks are disjoint)
+    loss_decay_gamma = 0.0  # w_k = exp(-(k-1)/gamma); 0 = the paper's 7 / 5 / 4 for block 16 / 10 / 8
+    # optimizer
+    learning_rate = 2e-3  # peak AdamW learning rate
+    max_iters = 1000  # optimizer steps
+    weight_decay = 0.0  # AdamW weight decay (2-D weights only; the paper: 0)
+    beta1 = 0.9  # AdamW beta1
+    beta2 = 0.95  # AdamW beta2
+    grad_clip = 1.0  # clip the global grad norm at this value (0 = off)
+    # schedule
+    warmup_iters = 40  # linear warmup steps
+    lr_decay_iters = -1  # cosine decay length (-1 = max_iters)
+    min_lr = 2e-4  # final learning rate
+    # eval & sampling (the dflash sampler used for the accuracy eval: greedy, lossless)
+    gen_length = 17  # tokens generated per val prompt (sudoku: 16 cells + EOS)
+    # system
+    device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' ...
+    dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
+    compile = False  # torch.compile the draft layers and the chunked CE (worth it on GPU; ~20 s cold start on CPU)
+    fsdp = False  # shard the draft with FSDP2 (fully_shard) instead of DDP when launched with torchrun
+    seed = 1337  # data order, anchors and init all derive from it
+    # -------------------------------------------------------------------------
+    import configurator
+    given = {}  # key -> where this run set it (command line or file:line)
+    config = configurator.configure(globals(), sources=given)
+    problem = settings_error(config, model_types=('qwen3',)) or family_settings_error(config)
+    if problem:
+        configurator.usage_error(problem)  # one line, exit 2, before any data, model or step
+
+    import numpy as np
+    import torch.distributed as dist
+    from contextlib import nullcontext
+    from data.loader import TokenDataset, batch_indices, global_rows
+    from data.prepare import check_prepared, ensure_synthetic
+    from data.synthetic import TASKS
+    from data.tokenizer import load_tokenizer
+    import sample as sampler_lib
+
+    # -------------------------------------------------------------------------
+    # distributed init
+    ddp = int(os.environ.get('RANK', -1)) != -1  # launched by torchrun?
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if ddp:
+        ddp_rank, ddp_local_rank = int(os.environ['RANK']), int(os.environ['LOCAL_RANK'])
+        ddp_world_size = int(os.environ['WORLD_SIZE'])
+        if device.startswith('cuda'):
+            device = f'cuda:{ddp_local_rank}'
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    else:
+        ddp_rank, ddp_local_rank, ddp_world_size = 0, 0, 1
+    master_process = ddp_rank == 0
+    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+
+    def print0(*a, **k):
+        if master_process:
+            print(*a, **k, flush=True)
+
+    def all_sum(t):
+        if ddp:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def from_rank0(obj):
+        """rank 0's obj on every rank: the verdict of what only rank 0 checks (out_dir's lock and files)."""
+        if ddp:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            obj = box[0]
+        return obj
+
+    def finish(code=0):
+        # gloo ranks sometimes abort at interpreter shutdown; tear down explicitly (environment.md)
+        sys.stdout.flush(); sys.stderr.flush()
+        if ddp:
+            dist.destroy_process_group()
+            os._exit(code)
+        sys.exit(code)
+
+    def fail(message, code):
+        """`error: message`, one line on stderr (from rank 0: every rank reaches the same verdict), then exit with
+        code: 2 for a usage error (a bad setting or combination, found before training), 1 for a run-time failure."""
+        if master_process:
+            print(f'error: {message}', file=sys.stderr)
+        finish(code)
+
+    if gradient_accumulation_steps % ddp_world_size:
+        fail(f'gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be divisible by '
+             f'the world size {ddp_world_size}', 2)
+    grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
+    global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
+
+    if dtype == 'auto':
+        dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
+    autocast = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
+    if device_type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(seed)  # model init only: the data order (and any corruption) use their own generators
+
+    # -------------------------------------------------------------------------
+    # data
+    synthetic = not data_dir and dataset in TASKS  # only a named synthetic task is generated, into data/<task>
+    data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
+    if synthetic and master_process:
+        ensure_synthetic(dataset, data_dir, max_seq_len=max_seq_len, seed=0)
+    if ddp:
+        dist.barrier()
+    try:  # the target: an ar.py out_dir (its hf/ export) or a HF causal-LM dir
+        target_dir = os.path.abspath(sampler_lib.resolve_checkpoint(target))
+    except FileNotFoundError as e:
+        hint = ' (train it first: python ar.py config/ar_sudoku.py)' if target == 'out-ar-sudoku' else ''
+        fail(f'target: {e}{hint}', 2)
+    try:  # prepared, and its sources unchanged since (else one line with the data/prepare.py command to run)
+        target_meta = {}
+        if os.path.isfile(os.path.join(target_dir, 'meta.json')):
+            with open(os.path.join(target_dir, 'meta.json')) as f:
+                target_meta = json.load(f)
+        check_prepared(data_dir, 'byte' if target_meta.get('tokenizer') == 'byte' else target_dir, max_seq_len)
+        train_ds, val_ds = TokenDataset(data_dir, 'train'), TokenDataset(data_dir, 'val')
+        meta = train_ds.meta
+        tokenizer = load_tokenizer(meta)
+    except (OSError, ValueError) as e:
+        fail(str(e), 1 if os.path.isdir(data_dir) else 2)  # a data_dir that does not exist is a bad setting
+    pad_id, eos_id = meta['pad_id'], meta['eos_id']
+    if meta.get('kind') == 'text':
+        fail(f'{data_dir} is raw text: dflash trains on chat data (prompts and the answers to draft)', 2)
+
+    def get_batch(ds, idx, seeds):
+        """The micro-batch dict of examples idx (B,): collated, anchors drawn with per-row seeds (B,)."""
+        return make_batch(ds.examples(idx.tolist()), seeds, pad_id=pad_id, eos_id=eos_id, max_seq_len=max_seq_len,
+                          n_blocks=num_blocks_per_sample, block_size=block_size, overlap=overlap_anchors,
+                          pad_seq_len_divisible=pad_seq_len_divisible)
+
+    # -------------------------------------------------------------------------
+    # model
+    # the frozen target, in the run's dtype (it only runs forward)
+    try:
+        target_model = hf.load_pretrained(target_dir, device, ptdtype, trust_remote_code).requires_grad_(False)
+    except Exception as e:  # a truncated or foreign checkpoint: one line
+        fail(f'target {target_dir}: cannot load it as a causal LM: {str(e).strip().splitlines()[0]}', 1)
+    vocab = target_model.get_input_embeddings().weight.shape[0]
+    if vocab < meta['vocab_size']:
+        fail(f"target {target_dir} has a vocabulary of {vocab} but {data_dir} was tokenized to {meta['vocab_size']}: "
+             f"not the target's tokenizer", 2)
+    if regenerate:  # instead of training: the target re-answers a chat JSONL
+        if ddp:
+            fail('--regenerate runs in one process (python dflash.py --regenerate=...), not under torchrun', 2)
+        src = regenerate_input or os.path.join(data_dir, 'train.jsonl')
+        try:
+            n = regenerate_answers(target_model, tokenizer, src, regenerate, pad_id=pad_id, eos_id=eos_id,
+                           mask_id=meta.get('mask_id', -1), max_new_tokens=gen_length,
+                           temperature=regenerate_temperature, batch_size=regenerate_batch_size, seed=seed)
+        except (OSError, ValueError) as e:
+            fail(str(e), 1)
+        print0(f'wrote {n} regenerated records to {regenerate}; prepare them for training with: python '
+               f'data/prepare.py --input_dir={os.path.dirname(regenerate) or "."} --tokenizer=byte '
+               f'--max_seq_len={max_seq_len} (with a val.jsonl next to it)')
+        finish(0)
+    # out_dir holds one run at a time (a lock for the run's life), and a fresh run never replaces its checkpoint
+    ckpt_path, hf_dir = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'hf')
+    lock, verdict = None, (0, '')  # the lock (an open file, kept until exit); (exit code, message) of rank 0
+    if master_process:
+        os.makedirs(out_dir, exist_ok=True)
+        lock, busy = lock_out_dir(out_dir)
+        if busy:
+            verdict = (1, busy)
+        elif init_from != 'resume' and os.path.exists(ckpt_path) and not overwrite:
+            verdict = (2, f'{ckpt_path} exists: --init_from=resume continues that run, --overwrite=True replaces it')
+        elif not os.path.isdir(hf_dir) and os.path.isdir(hf_dir + '.old'):  # a kill between save_run's renames
+            os.replace(hf_dir + '.old', hf_dir)
+    code, message = from_rank0(verdict)
+    if code:
+        fail(message, code)
+    start_step, checkpoint, saved = 0, None, None
+    if mask_id == -1:
+        mask_id = meta.get('mask_id', -1)
+    layer_ids = [int(i) for i in target_layer_ids.split(',')] if target_layer_ids else None
+    try:
+        if init_from == 'resume':
+            if not os.path.exists(ckpt_path):
+                fail(f'init_from=resume but {ckpt_path} does not exist', 1)
+            try:
+                checkpoint = load_run(ckpt_path)
+            except RuntimeError as e:
+                fail(str(e), 1)
+            saved = checkpoint['config']  # the settings it was trained with
+            problem = resume_error(config, given, saved)
+            if problem:
+                fail(problem, 2)
+            if checkpoint['step'] >= max_iters:
+                fail(f"{ckpt_path} is at step {checkpoint['step']} >= max_iters={max_iters}: nothing to train", 2)
+            if 'mask_id' in given and mask_id != checkpoint['mask_id']:
+                fail(f"mask_id={mask_id} ({given['mask_id']}) but the checkpoint was trained with mask_id="
+                     f"{checkpoint['mask_id']}; a resumed draft keeps its [MASK]", 2)
+            config.update({k: saved[k] for k in MODEL_KEYS if k in saved})  # the model it is
+            draft = DFlashDraftModel(Qwen3Config(**json.loads(checkpoint['model_args'])))
+            draft.load_state_dict(checkpoint['model'])
+            start_step = checkpoint['step']
+        elif init_from == 'scratch':
+            draft = build_draft(target_model.config, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
+                                n_embd=n_embd, intermediate_size=intermediate_size, block_size=block_size,
+                                mask_id=mask_id, target_layer_ids=layer_ids)
+        else:  # a published DFlash draft to fine-tune: its own block size, taps and [MASK]
+            if not os.path.isfile(os.path.join(init_from, 'config.json')):
+                fail(f'init_from={init_from!r}: no config.json there (expected a local DFlash draft dir)', 2)
+            draft = DFlashDraftModel.from_pretrained(init_from, dtype=torch.float32)
+            if 'mask_id' in given and mask_id != draft.mask_token_id:
+                fail(f'mask_id={mask_id} ({given["mask_id"]}) but the draft in {init_from} was trained with '
+                     f'mask_token_id={draft.mask_token_id}', 2)
+            mask_id = draft.mask_token_id
+    except ValueError as e:  # a draft that does not fit the target
+        fail(str(e).splitlines()[0], 2)
+    try:
+        check_mask_id(mask_id, vocab, pad_id, eos_id)
+        if checkpoint is not None and mask_id != checkpoint['mask_id']:
+            raise ValueError(f"mask_id={mask_id} but the checkpoint was trained with mask_id={checkpoint['mask_id']}")
+        if draft.config.hidden_size != target_model.config.get_text_config().hidden_size or \
+                max(draft.target_layer_ids) >= target_model.config.get_text_config().num_hidden_layers:
+            raise ValueError(f'the draft (hidden {draft.config.hidden_size}, target layers {draft.target_layer_ids}) '
+                             f'does not fit the target {target_dir}')
+    except ValueError as e:
+        fail(str(e), 2)
+    draft.mask_token_id = mask_id
+    draft.config.dflash_config = {**draft.config.dflash_config, 'mask_token_id': mask_id}
+    block_size = draft.block_size  # a loaded draft keeps its own
+    gamma = loss_gamma(block_size, loss_decay_gamma)
+    draft.to(device)
+    raw_model = draft  # the bare draft: state_dict, export, sampling
+    dfl = DFlash(draft, target_model, weights=decay_weights(block_size, gamma).to(device), compiled_ce=compile)
+    pair = sampler_lib.Speculative(target_model, draft)  # what the dflash sampler decodes with
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    print0(f'model: draft {n_params / 1e6:.2f}M parameters ({len(draft.layers)} layers, block {block_size}, gamma '
+           f'{gamma:g}, target layers {draft.target_layer_ids}), target {target_dir} '
+           f'({sum(p.numel() for p in target_model.parameters()) / 1e6:.2f}M, frozen), vocab {vocab}, mask_id '
+           f'{mask_id}, world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = {global_batch} examples/step')
+
+    if compile:
+        for layer in draft.layers:
+            layer.compile()  # in place: state_dict keys keep their names (no _orig_mod.)
+    if ddp and fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in hf.shard_units(raw_model):
+            fully_shard(layer)
+        fully_shard(dfl)  # the root: fc, hidden_norm, final norm
+        train_model = dfl
+    elif ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        train_model = DDP(dfl, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)
+    else:
+        train_model = dfl
+    # the optimizer comes after fully_shard, which swaps parameters for sharded DTensors
+    decay = [p for p in dfl.parameters() if p.dim() >= 2]
+    no_decay = [p for p in dfl.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay},
+                                   {'params': no_decay, 'weight_decay': 0.0}],
+                                  lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
+    if checkpoint is not None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, StateDictOptions
+        set_optimizer_state_dict(dfl, optimizer, checkpoint['optimizer'],
+                                 options=StateDictOptions(full_state_dict=True))
+        torch.set_rng_state(checkpoint['torch_rng'])
+    checkpoint = None  # free memory
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, StateDictOptions
+    # full (unsharded), name-keyed model + optimizer state: the same format with or without FSDP
+    sd_options = StateDictOptions(full_state_dict=True, cpu_offload=ddp and fsdp)
+
+    def model_state():
+        return get_state_dict(dfl, optimizer, options=sd_options)  # a collective under FSDP: every rank calls it
+
+    def save_checkpoint(step, metrics):
+        msd, osd = model_state()
+        msd = {k[len('draft.'):]: v for k, v in msd.items()}  # keys of the bare draft (the public DFlash names)
+        if not master_process:
+            return
+        # ckpt.pt, then the HF export hf/ (the draft; meta.json names its target, so sample.py finds both)
+        save_run(out_dir, {'model': msd, 'optimizer': osd, 'step': step, 'family': 'dflash',
+                           'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
+                           'mask_id': mask_id, 'target': target_dir, 'torch_rng': torch.get_rng_state()},
+                 raw_model, msd, {**meta, 'mask_id': mask_id, 'family': 'dflash', 'sampler': 'dflash',
+                                  'gen_length': gen_length, 'block_size': block_size, 'target': target_dir,
+                                  'target_layer_ids': raw_model.target_layer_ids}, tokenizer)
+
+    # -------------------------------------------------------------------------
+    # eval
+    n_acc = min(eval_samples, len(val_ds))
+    if eval_iters == 0:
+        print0('note: eval_iters=0: evals compute no val_loss')
+    acc_rows = []  # (prompt ids incl. the assistant header, reference answer text) of the first n_acc val examples
+    for i in range(n_acc):
+        ids, lm = val_ds.example(i)
+        start = int(np.argmax(lm > 0))  # single-turn: the response is the supervised suffix
+        acc_rows.append((ids[:start].tolist(), tokenizer.decode(ids[start:].tolist())))
+
+    @torch.no_grad()
+    def accuracy():
+        """Exact match and acceptance of the dflash sampler (greedy: the target's own greedy answers) on the first
+        eval_samples val prompts, split over ranks; every rank runs the same number of batches. Under FSDP every
+        draft unit is gathered for the whole run (ranks accept different lengths, so they run different numbers
+        of draft forwards: no collective may happen inside the sampler)."""
+        per_rank = math.ceil(n_acc / ddp_world_size)
+        mine = [ddp_rank * per_rank + j for j in range(per_rank)]
+        hits = torch.zeros(4, device=device)  # correct, counted, Σ accepted per round, rounds
+        units = hf.shard_units(raw_model) + [dfl] if ddp and fsdp else []
+        for unit in units:
+            unit.set_reshard_after_forward(False)
+            unit.unshard()
+        for s in range(0, per_rank, batch_size):
+            rows = mine[s:s + batch_size]
+            prompts = [acc_rows[min(i, n_acc - 1)][0] for i in rows]
+            st = {}
+            with autocast:
+                gen = sampler_lib.generate(pair, prompts, sampler='dflash', mask_id=mask_id, pad_id=pad_id,
+                                           eos_id=eos_id, gen_length=gen_length, stats=st)
+            hits[2:] += torch.tensor([st.get('accepted', 0), st.get('rounds', 0)], device=device)
+            for i, g in zip(rows, gen):
+                if i < n_acc:
+                    hits[:2] += torch.tensor([tokenizer.decode(g).strip() == acc_rows[i][1].strip(), 1.0],
+                                             device=device)
+        for unit in units:
+            unit.set_reshard_after_forward(True)
+            unit.reshard()
+        all_sum(hits)
+        return (hits[0] / hits[1].clamp_min(1)).item(), (hits[2] / hits[3].clamp_min(1)).item()
+
+    @torch.no_grad()
+    def evaluate(step):
+        """Val loss and draft accuracy with fixed anchor seeds (the same blocks at every eval), then exact match
+        and acceptance length τ of speculative decoding on the first eval_samples val prompts. Runs on every
+        rank; sums are all-reduced."""
+        dfl.eval()
+        tot = torch.zeros(2 * block_size + 1, device=device)  # Σ w·CE, correct[k], count[k], Σ accept, blocks
+        for i in range(eval_iters):
+            rows = torch.arange(batch_size) + (i * ddp_world_size + ddp_rank) * batch_size
+            mb = get_batch(val_ds, rows % len(val_ds), corruption_seeds(seed, 0, rows, 1))
+            with autocast:
+                ce, st = train_model(*(mb[k].to(device) for k in ('x0', 'key_valid', 'anchors', 'keep', 'loss_mask')))
+            tot += torch.cat([ce.float()[None], st])
+        all_sum(tot)
+        k = block_size - 1
+        out = {}
+        if eval_iters > 0:  # no batch, no loss
+            out = {'val_loss': (tot[0] / tot[1 + k:1 + 2 * k].sum().clamp_min(1)).item(),
+                   'draft_acc': (tot[1:1 + k].sum() / tot[1 + k:1 + 2 * k].sum().clamp_min(1)).item(),
+                   'accept_len': (tot[-2] / tot[-1].clamp_min(1)).item()}
+        if n_acc > 0:
+            out['accuracy'], out['tau'] = accuracy()
+        dfl.train()
+        return out
+
+    # -------------------------------------------------------------------------
+    # training loop
+    lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
+    # the resolved values ('auto', -1 and the like replaced by what this run uses), logged and saved with ckpt.pt
+    config.update(device=device, dtype=dtype, mask_id=mask_id, lr_decay_iters=lr_decay_iters, data_dir=data_dir,
+                  target=target_dir, block_size=block_size, loss_decay_gamma=gamma,
+                  target_layer_ids=','.join(map(str, raw_model.target_layer_ids)), world_size=ddp_world_size,
+                  git_commit=git_commit())
+    resumed = ''  # a resumed run: the settings it changes take effect, and are logged
+    if saved is not None:
+        moved = [f'{k} {saved[k]!r} -> {v!r}' for k, v in config.items()
+                 if k in saved and saved[k] != v and k not in ('init_from', 'git_commit')]
+        resumed = f"resume from step {start_step}: {'changed ' + ', '.join(moved) if moved else 'no setting changed'}"
+        print0(resumed)
+    if master_process:
+        log_file = open(os.path.join(out_dir, 'log.txt'), 'a')
+        log_file.write(f'# dflash.py torch {torch.__version__} device {device} world {ddp_world_size}\n'
+                       f'# config {json.dumps(config)}\n' + (f'# {resumed}\n' if resumed else ''))
+    if wandb_log and master_process:
+        import wandb
+        wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+    metrics = {}
+    step = start_step
+    stop = StopSignal()  # SIGINT/SIGTERM: save after the step, then exit
+    t0 = last_save = time.time()
+    while step < max_iters:
+        lr = get_lr(step, learning_rate=learning_rate, min_lr=min_lr, warmup_iters=warmup_iters,
+                    lr_decay_iters=lr_decay_iters)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        # collate + draw anchors for every micro-batch first: the loss denominator is the GLOBAL predicted count
+        micro = []
+        for m in range(grad_accum):
+            idx = batch_indices(len(train_ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
+                                world_size=ddp_world_size, grad_accum=grad_accum)
+            rows = global_rows(batch_size, micro_step=m, rank=ddp_rank, world_size=ddp_world_size)
+            micro.append(get_batch(train_ds, idx, corruption_seeds(seed, step, rows, global_batch)))
+        counts = torch.tensor([sum(mb['predicted'] for mb in micro), sum(mb['x0'].numel() for mb in micro)],
+                              dtype=torch.float64, device=device)
+        n_pred, n_tok = all_sum(counts).tolist()
+        loss_sum = torch.zeros(1, device=device)
+        stat_sum = torch.zeros(2 * block_size, device=device)  # correct[k], count[k], Σ accept, blocks
+        for m, mb in enumerate(micro):
+            last = m == grad_accum - 1
+            if ddp and fsdp:
+                train_model.set_requires_gradient_sync(last)
+            elif ddp:
+                # set before forward: DDP reads it there (setting it late silently breaks accumulation)
+                train_model.require_backward_grad_sync = last
+            with autocast:
+                ce, st = train_model(*(mb[k].to(device) for k in ('x0', 'key_valid', 'anchors', 'keep', 'loss_mask')))
+                loss = ce / max(n_pred, 1.0)  # DFlash (NeMo A): the global UNWEIGHTED number of predicted tokens
+            # DDP/FSDP average gradients over ranks; the loss is already a global mean, so undo the 1/world
+            (loss * ddp_world_size).backward()
+            loss_sum += loss.detach().float()
+            stat_sum += st
+        grad_norm = torch.nn.utils.clip_grad_norm_(dfl.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+        all_sum(loss_sum)
+        all_sum(stat_sum)
+        step_loss = loss_sum[0].item()
+        if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
+            fail(f'non-finite loss {step_loss} / grad_norm {float(grad_norm)} at step {step + 1}; stopping. The last '
+                 f'good checkpoint ({ckpt_path}) is untouched.', 1)
+        die_at('step', step + 1)  # test hook: a kill mid-step (gradients computed, not applied)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        dt = time.time() - t0
+        t0 = time.time()
+        k = block_size - 1
+        right, count = stat_sum[:k].tolist(), stat_sum[k:2 * k].tolist()
+        metrics = {'step': step, 'loss': step_loss, 'grad_norm': float(grad_norm), 'lr': lr,
+                   'draft_acc': sum(right) / max(sum(count), 1.0),
+                   **{f'draft_acc_k{j + 1}': right[j] / max(count[j], 1.0) for j in range(k)},
+                   'accept_len': stat_sum[-2].item() / max(stat_sum[-1].item(), 1.0),
+                   'supervised_tokens': int(n_pred), 'tok_per_s': n_tok / dt}
+        if step % log_interval == 0 or step == start_step + 1:
+            line = (f"step {step} | loss {step_loss:.6f} | grad_norm {metrics['grad_norm']:.4f} | lr {lr:.3e} | "
+                    f"draft_acc {metrics['draft_acc']:.3f} | accept_len {metrics['accept_len']:.2f} | "
+                    f"sup {int(n_pred)} | tok/s {n_tok / dt:,.0f} | dt {dt*1000:.0f}ms")
+            print0(line)
+            if master_process:
+                log_file.write(line + '\n'); log_file.flush()
+                if wandb_log:
+                    wandb.log(metrics, step=step)
+        # a checkpoint at each eval, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM.
+        # Every rank must take part (a collective under FSDP): rank 0's clock and any rank's signal decide, summed
+        is_eval = (eval_interval > 0 and step % eval_interval == 0) or step == max_iters
+        due = (ckpt_interval > 0 and step % ckpt_interval == 0) or \
+            (master_process and ckpt_interval_min > 0 and time.time() - last_save >= 60 * ckpt_interval_min)
+        due, stopping = all_sum(torch.tensor([float(due), float(stop.signum > 0)], device=device)).tolist()
+        if is_eval:
+            ev = evaluate(step)
+            metrics.update(ev)
+            line = f'eval step {step} | ' + (' | '.join(f'{k} {v:.4f}' for k, v in ev.items()) or 'nothing to report')
+            print0(line)
+            if master_process:
+                log_file.write(line + '\n'); log_file.flush()
+                if wandb_log:
+                    wandb.log(ev, step=step)
+        if is_eval or due or stopping:
+            save_checkpoint(step, metrics)
+            t0 = last_save = time.time()
+        if stopping and step < max_iters:
+            print0(f'stopped by a signal after step {step}, saved in {ckpt_path}: --init_from=resume continues')
+            finish(128 + (stop.signum or signal.SIGTERM))
+    if 'accuracy' in metrics:
+        print0(f"acceptance length τ of greedy speculative decoding on {dataset}: {metrics['tau']:.2f} tokens per "
+               f"target forward (block {block_size})")
+        print0(f"held-out exact-match accuracy on {dataset}: {100 * metrics['accuracy']:.1f}%")
+    finish(0)

@@ -14,6 +14,9 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py --only=gemma_train   # one gemma_bd.py training step vs a naive full-logits step
     python bench.py --only=gemma         # gemma_bd.py decoding: adaptive stop vs every step, and ours vs transformers'
                                          # generate() at batch 1 (same tokens)
+    python bench.py --only=dflash_train  # one dflash.py training step vs a naive full-logits step
+    python bench.py --only=dflash        # dflash.py speculative decoding vs KV-cached AR decoding of its target, at
+                                         # batch 1 and 64 (same tokens)
     python bench.py --only=gpu           # every CUDA path of a llada step (flex, bf16, compile, FSDP2) checked against
                                          # its reference, then tokens/s + MFU of a ~0.5B model; exits 1 if a check fails
     python bench.py --only=gpu --toy     # the same at a tiny size (the default on CPU, where flex runs forward only)
@@ -642,6 +645,119 @@ def gemma_need_mib(variant, args):
 
 
 # -----------------------------------------------------------------------------
+# dflash_train: one dflash.py training step (the frozen target's forward, the draft over N blocks per sequence, the
+# decay-weighted CE through the chunked kernel on the predicted rows only) vs a naive step on the same forward that
+# computes the full (B, N·bs, V) logits and eager F.cross_entropy; same tiny target, draft, batch and anchors
+
+DFLASH_TRAIN_VARIANTS = ['naive_step', 'dflash_step']
+
+
+def dflash_train_child(variant, args):
+    import dflash
+    torch.manual_seed(0)
+    V, B, T, bs, N = args.V, args.B, args.T, 8, 16
+    target = hf.build_model('scratch', vocab_size=V, n_layer=args.n_layer, n_head=4, n_kv_head=2, n_embd=args.d,
+                            max_seq_len=2 * T, bidirectional=False).requires_grad_(False).eval()
+    draft = dflash.build_draft(target.config, n_layer=2, n_head=4, n_kv_head=2, n_embd=args.d, intermediate_size=0,
+                               block_size=bs, mask_id=V - 1, target_layer_ids=[1, 2])
+    g = torch.Generator().manual_seed(0)
+    P = T // 4  # a prompt quarter, the rest response
+    examples = [(torch.randint(V - 1, (T,), generator=g).numpy(), torch.cat([torch.zeros(P), torch.ones(T - P)]).numpy())
+                for _ in range(B)]
+    mb = dflash.make_batch(examples, torch.arange(B), pad_id=0, eos_id=1, max_seq_len=T, n_blocks=N, block_size=bs,
+                           overlap=True)
+    w = dflash.decay_weights(bs, dflash.loss_gamma(bs))
+    dfl = dflash.DFlash(draft, target, weights=w)
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
+    x0, kv, a, keep, lm = (mb[k] for k in ('x0', 'key_valid', 'anchors', 'keep', 'loss_mask'))
+
+    def step():
+        if variant == 'dflash_step':
+            ce, _ = dfl(x0, kv, a, keep, lm)
+        else:  # the same forward, full logits of every block slot
+            with torch.no_grad():
+                _, feats = hf.tapped_forward(target, x0, draft.target_layer_ids, logits=False)
+            logits = dfl.draft_states(feats, x0, a, keep).view(B, N, bs, -1) @ target.get_output_embeddings().weight.T
+            at = (a[:, :, None] + torch.arange(1, bs)).clamp(max=T - 1)  # (B, N, bs-1)
+            valid = keep[:, :, None] & lm.gather(1, at.view(B, -1)).view_as(at).bool()
+            ce = F.cross_entropy(logits[:, :, 1:].reshape(-1, V), x0.gather(1, at.view(B, -1)).reshape(-1),
+                                 reduction='none')
+            ce = (ce * (w.expand_as(valid) * valid).reshape(-1)).sum()
+        (ce / mb['predicted']).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    r = _measure(step, args.iters)
+    r['tok_s'] = B * T / r['s']
+    return r
+
+
+def dflash_train_report(results, args):
+    print(f"dflash_train: one dflash.py step (target forward, 2-layer draft over 16 blocks of 8 per sequence, "
+          f"forward+backward+AdamW), a {args.n_layer}-layer target, d={args.d}, V={args.V}, B={args.B} x T={args.T}, "
+          f"fp32, median of {args.iters}, {torch.get_num_threads()} threads")
+    step_table(results)
+
+
+def dflash_train_need_mib(variant, args):
+    return (4 if variant == 'naive_step' else 1) * args.B * 16 * 8 * args.V * 4 / 2**20
+
+# -----------------------------------------------------------------------------
+# dflash: a dflash.py checkpoint, speculative decoding (greedy) vs plain KV-cached AR decoding of its own target
+# (sample.py's ar sampler), at batch 1 and at --sample_batch. Lossless: both must decode the very same tokens (the
+# row says so); the speedup is wall-clock against AR at the same batch size.
+
+DFLASH_VARIANTS = ['ar_b1', 'dflash_b1', 'ar_batch', 'dflash_batch']
+
+
+def dflash_child(variant, args):
+    import sample
+    if not os.path.isdir(args.dflash_checkpoint):
+        return {'error': f"skipped: no checkpoint {args.dflash_checkpoint!r} (run python dflash.py)"}
+    pair, tok, meta = sample.load_checkpoint(args.dflash_checkpoint)
+    b1 = variant.endswith('_b1')
+    records = sample.read_records(args.dflash_val)[:args.n_batch1 if b1 else args.n_prompts]
+    prompts = [sample.encode_prompt(tok, q, raw=False) for q, *_ in records]
+    name = variant.split('_')[0]
+    model = pair if name == 'dflash' else pair.target
+    batch = 1 if b1 else args.sample_batch
+
+    def run(ps, stats):
+        return sample.generate(model, ps, sampler=name, pad_id=meta['pad_id'], eos_id=meta['eos_id'],
+                               mask_id=meta['mask_id'], gen_length=meta['gen_length'], stats=stats)
+
+    runs = []
+    for _ in range(args.iters):
+        stats, outs = {}, []
+        run(prompts[:batch], {})  # warm-up
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(0, len(prompts), batch):
+            outs += run(prompts[i:i + batch], stats)
+        runs.append({'wall': time.perf_counter() - t0, 'cpu_s': time.process_time() - c0, **stats})
+    return decode_result(runs, outs, tok, records, {'batch': batch})
+
+
+def dflash_report(results, args):
+    print(f"dflash: {args.dflash_checkpoint} (greedy), {args.dflash_val}: first {args.n_batch1} prompts at batch 1, "
+          f"first {args.n_prompts} at batch {args.sample_batch}, median of {args.iters} runs (each after a warm-up), "
+          f"{torch.get_num_threads()} threads")
+    header = ("| variant | batch | accuracy | tau | target forwards/prompt | tokens/target forward | generated tok/s | "
+              "CPU s | speedup vs AR | same tokens as AR |")
+    for v, r in measured(results, header):
+        ref = results.get(v.replace('dflash', 'ar'))
+        ok = ref is not None and 'error' not in ref
+        tau = f"{r['accepted'] / r['rounds']:.2f}" if r.get('rounds') else '-'
+        speed = f"{ref['wall'] / r['wall']:.2f}x" if ok else '-'
+        same = ('yes' if r['outs'] == ref['outs'] else 'NO') if ok else '-'
+        print(f"| {v} | {r['opts']['batch']} | {r['accuracy']:.1f}% | {tau} | {r['row_nfe'] / r['n']:.2f} | "
+              f"{r['tokens'] / r['row_nfe']:.2f} | {r['tokens'] / r['wall']:,.0f} | {r['cpu_s']:.2f} | {speed} | {same} |")
+
+
+def dflash_need_mib(variant, args):
+    return 0
+
+
+# -----------------------------------------------------------------------------
 # gpu: every CUDA path of a llada training step, each against its reference in the same run: flex_attention with a
 # BlockMask vs SDPA with the dense mask, bf16 autocast vs fp32, torch.compile vs eager, FSDP2 (a world of 1) vs the
 # unsharded step; then tokens/s and MFU of a ~0.5B model at T=2048. Run it once on a GPU and paste the table.
@@ -938,6 +1054,8 @@ SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'nemotron': (NEMOTRON_VARIANTS, nemotron_child, nemotron_report, nemotron_need_mib),
             'gemma': (GEMMA_VARIANTS, gemma_child, gemma_report, gemma_need_mib),
             'gemma_train': (GEMMA_TRAIN_VARIANTS, gemma_train_child, gemma_train_report, gemma_train_need_mib),
+            'dflash': (DFLASH_VARIANTS, dflash_child, dflash_report, dflash_need_mib),
+            'dflash_train': (DFLASH_TRAIN_VARIANTS, dflash_train_child, dflash_train_report, dflash_train_need_mib),
             'gpu': (GPU_CHECKS, gpu_child, gpu_report, gpu_need_mib)}
 
 # -----------------------------------------------------------------------------
@@ -974,6 +1092,8 @@ def parse_args(argv=None):
     p.add_argument('--hybrid_val', default='data/sudoku/val.jsonl', help='nemotron: chat JSONL prompts with answers')
     p.add_argument('--gemma_checkpoint', default='out-gemma-bd', help='gemma: a trained gemma_bd out_dir')
     p.add_argument('--gemma_val', default='data/add/val.jsonl', help='gemma: chat JSONL prompts with answers')
+    p.add_argument('--dflash_checkpoint', default='out-dflash', help='dflash: a trained dflash out_dir')
+    p.add_argument('--dflash_val', default='data/sudoku/val.jsonl', help='dflash: chat JSONL prompts with answers')
     p.add_argument('--toy', action=argparse.BooleanOptionalAction, default=None,
                    help='gpu: tiny sizes (default on CPU; --no-toy forces the full sizes)')
     p.add_argument('--peak_tflops', type=float, default=989, help='gpu: peak bf16 dense TFLOPS for MFU (H200: 989)')

@@ -176,7 +176,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
 def build_draft(target_config, *, n_layer, n_head, n_kv_head, n_embd, intermediate_size, block_size, mask_id,
                 target_layer_ids=None):
-    """A fresh draft for a target (its hidden size, vocabulary and RoPE), in the public DFlash config format."""
+    """A fresh draft for a target (its hidden size, vocabulary and RoPE; its head size when the head counts agree, as
+    in the published Qwen3 drafts), in the public DFlash config format."""
     import transformers
     t = target_config.get_text_config()
     if n_embd != t.hidden_size:
@@ -190,7 +191,8 @@ def build_draft(target_config, *, n_layer, n_head, n_kv_head, n_embd, intermedia
     config = transformers.Qwen3Config(
         vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=intermediate_size or t.intermediate_size,
         num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
-        head_dim=t.hidden_size // n_head, rms_norm_eps=getattr(t, 'rms_norm_eps', 1e-6),
+        head_dim=getattr(t, 'head_dim', None) if n_head == t.num_attention_heads and getattr(t, 'head_dim', None)
+        else t.hidden_size // n_head, rms_norm_eps=getattr(t, 'rms_norm_eps', 1e-6),
         max_position_embeddings=t.max_position_embeddings, rope_parameters=dict(rope), tie_word_embeddings=False)
     config.architectures = ['DFlashDraftModel']
     config.block_size, config.num_target_layers = block_size, n_t
@@ -323,6 +325,8 @@ def family_settings_error(c):
     if c['target_layer_ids'] and not re.fullmatch(r'\d+(,\d+)*', c['target_layer_ids']):
         return f"target_layer_ids={c['target_layer_ids']!r} must be comma-separated layer indices like '1,2' ('' = " \
                f"the default spread)"
+    if not c['dataset'] and not c['data_dir']:
+        return 'dataset and data_dir are empty: give --data_dir (a prepared chat dataset, tokenized for the target)'
     if not c['target']:
         return 'target is empty: give the AR model to draft for (an ar.py out_dir or a local HF causal-LM dir)'
     if c['regenerate_temperature'] < 0 or c['regenerate_batch_size'] < 1:
@@ -566,7 +570,7 @@ if __name__ == '__main__':
     # regeneration (instead of training: the target re-answers a chat JSONL; then prepare it with data/prepare.py)
     regenerate = ''  # output chat JSONL ('' = train as usual)
     regenerate_input = ''  # chat JSONL to re-answer ('' = <data_dir>/train.jsonl)
-    regenerate_temperature = 0.0  # the target's sampling temperature (0 = greedy, the paper-faithful recipe)
+    regenerate_temperature = 0.8  # the target's sampling temperature (0.8: the paper, NeMo's guide; 0 = greedy)
     regenerate_batch_size = 64  # prompts per batched decode
     # model (the draft; its hidden size, vocabulary and RoPE are the target's)
     model_type = 'qwen3'  # the draft is Qwen3-style (the public DFlash format); the only choice
@@ -575,7 +579,7 @@ if __name__ == '__main__':
     n_kv_head = 4  # key/value heads (scratch; < n_head = GQA)
     n_embd = 128  # hidden size: must equal the target's (scratch)
     intermediate_size = 0  # MLP hidden size (scratch; 0 = the target's)
-    target_layer_ids = ''  # target layers the draft reads, e.g. '1,2' ('' = the paper's spread over the target)
+    target_layer_ids = '1,2'  # target layers the draft reads ('' = the paper's spread, which needs >= 5 target layers)
     block_size = 8  # tokens per drafted block: the anchor + block_size - 1 guesses
     mask_id = -1  # [MASK] token id (a reserved token, never pad/eos); -1 = from meta.json / the tokenizer
     # training

@@ -51,6 +51,13 @@ def ckpt(tmp_path_factory):
         d / 'gemma_bd' / 'hf')
     (d / 'gemma_bd' / 'hf' / 'meta.json').write_text(json.dumps(
         {**tok.meta(), 'family': 'gemma_bd', 'sampler': 'gemma', 'gen_length': 4, 'block_length': 2, 'steps': 3}))
+    import dflash  # a dflash.py export: the draft in hf/, its meta.json naming the target (the ar export above)
+    torch.manual_seed(0)
+    dflash.build_draft(tiny(tok.vocab_size, False).config, n_layer=1, n_head=2, n_kv_head=2, n_embd=32,
+                       intermediate_size=64, block_size=3, mask_id=tok.mask_id, target_layer_ids=[0, 1]
+                       ).save_pretrained(d / 'dflash' / 'hf')
+    (d / 'dflash' / 'hf' / 'meta.json').write_text(json.dumps(
+        {**tok.meta(), 'family': 'dflash', 'sampler': 'dflash', 'gen_length': 4, 'target': str(d / 'ar' / 'hf')}))
     (d / 'llada' / 'ckpt.pt').write_bytes(b'')  # only its name matters here
     (d / 'val.jsonl').write_text(''.join(record(f'{i}+1', f'{i + 1}') for i in range(6)))
     return d
@@ -138,7 +145,8 @@ def test_sampler_of_another_family_needs_force(ckpt, capsys):
     ('scdd', ('--sampler', 'scdd', '--steps', 2, '--early_stop')),
     ('hybrid', ('--sampler', 'nemotron', '--cache', 'none')),
     ('hybrid', ('--sampler', 'nemotron', '--mode', 'ar')),
-    ('gemma_bd', ('--sampler', 'gemma', '--no-adaptive_stop'))])
+    ('gemma_bd', ('--sampler', 'gemma', '--no-adaptive_stop')),
+    ('dflash', ('--sampler', 'dflash', '--temperature', 0.5))])
 def test_cli_eval_one_line(ckpt, capsys, family, args):
     code, out, err = run_main(capsys, '--checkpoint', ckpt / family, '--eval', ckpt / 'val.jsonl', '--batch_size',
                               4, *args)
@@ -356,3 +364,26 @@ def test_cli_gemma_options(ckpt, capsys):
         assert one_line_error(code, err, msg), (args, err)
     code, out, err = run_main(capsys, '--checkpoint', ckpt / 'llada', '--sampler', 'gemma', '--prompt', '1+2')
     assert one_line_error(code, err, "sampler 'gemma' decodes gemma_bd checkpoints, not 'llada'"), err
+
+
+def test_cli_dflash(ckpt, capsys, tmp_path):
+    # a dflash checkpoint decodes speculatively by default, its target found from meta.json; greedy, the output is
+    # the target's own (the ar checkpoint decoded with the ar sampler); the --eval line adds tau
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'dflash', '--prompt', '1+2', '--prompt', '33+4')
+    code_ar, out_ar, _ = run_main(capsys, '--checkpoint', ckpt / 'ar', '--prompt', '1+2', '--prompt', '33+4')
+    assert code == code_ar == 0 and out == out_ar and out.startswith('1+2 -> '), (out, out_ar, err)
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'dflash', '--eval', ckpt / 'val.jsonl')
+    assert code == 0 and re.match(EVAL_LINE + r' \| tau \d\.\d\d$', out.strip()), out
+    for args, msg in [(('--steps', 3), "--steps does not apply to sampler 'dflash'"),
+                      (('--temperature', -1), 'temperature')]:
+        code, out, err = run_main(capsys, '--checkpoint', ckpt / 'dflash', '--prompt', '1+2', *args)
+        assert one_line_error(code, err, msg), (args, err)
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'ar', '--sampler', 'dflash', '--prompt', '1+2')
+    assert one_line_error(code, err, "sampler 'dflash' decodes dflash checkpoints, not 'ar'"), err
+    moved = tmp_path / 'dflash'  # the target it names is gone: one line naming it
+    import shutil
+    shutil.copytree(ckpt / 'dflash', moved)
+    meta = json.loads((moved / 'hf' / 'meta.json').read_text())
+    (moved / 'hf' / 'meta.json').write_text(json.dumps({**meta, 'target': str(tmp_path / 'gone')}))
+    code, out, err = run_main(capsys, '--checkpoint', moved, '--prompt', '1+2')
+    assert one_line_error(code, err, 'has no config.json; restore it there'), err

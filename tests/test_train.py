@@ -1,4 +1,4 @@
-"""End-to-end runs of the family scripts (llada.py, ar.py, scdd.py, hybrid.py, gemma_bd.py) on a tiny model and a small synthetic dataset:
+"""End-to-end runs of the family scripts (llada.py, ar.py, scdd.py, hybrid.py, gemma_bd.py, dflash.py) on a tiny model and a small synthetic dataset:
 the loss goes down, resume is bit-exact, the checkpoint and the HF export load and sample.py decodes from them with
 the sampler they name, bad input fails with one line,
 and 2-process gloo DDP / FSDP2 with 2 micro-steps each give the gradients of 1 process with 4 accumulation steps.
@@ -24,6 +24,23 @@ def data_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope='module')
+def ar_target(data_dir, tmp_path_factory):
+    """An ar.py out_dir of a 40-step tiny run (2 layers): the frozen target dflash.py drafts for."""
+    out = str(tmp_path_factory.mktemp('target') / 'out')
+    run('ar.py', f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=40', '--learning_rate=1e-2', *TINY,
+        '--eval_samples=0')
+    return out
+
+
+def extra(script, request):
+    """The arguments a script needs beyond TINY: dflash.py its target (the tiny ar.py run), its taps and blocks."""
+    if script != 'dflash.py':
+        return []
+    return [f"--target={request.getfixturevalue('ar_target')}", '--target_layer_ids=0,1', '--block_size=4',
+            '--num_blocks_per_sample=4']
+
+
 def run(script, *args, nproc=1, check=True):
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
     cmd = [sys.executable, script] if nproc == 1 else \
@@ -43,12 +60,13 @@ def ckpt(out_dir):
     return torch.load(os.path.join(out_dir, 'ckpt.pt'), map_location='cpu', weights_only=True)
 
 
-@pytest.fixture(scope='module', params=['llada.py', 'ar.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py'])
+@pytest.fixture(scope='module', params=['llada.py', 'ar.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py'])
 def trained(request, data_dir, tmp_path_factory):
     """(script, out_dir, stdout) of a 40-step tiny run, shared by the tests that read what it wrote."""
     script = request.param
     out = str(tmp_path_factory.mktemp('trained') / 'out')
-    r = run(script, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=40', '--learning_rate=1e-2', *TINY)
+    r = run(script, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=40', '--learning_rate=1e-2', *TINY,
+            *extra(script, request))
     return script, out, r.stdout
 
 
@@ -63,10 +81,10 @@ def test_tiny_run_learns(trained):
     assert not any(k.startswith(('_orig_mod.', 'module.', 'model.model.model')) for k in c['model']), list(c['model'])[:3]
 
 
-@pytest.mark.parametrize('script', ['llada.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py'])
-def test_resume_is_bit_exact(data_dir, tmp_path, script):
+@pytest.mark.parametrize('script', ['llada.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py'])
+def test_resume_is_bit_exact(data_dir, tmp_path, script, request):
     a, b = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
-    common = [f'--data_dir={data_dir}', '--lr_decay_iters=6', '--eval_samples=0', *TINY]
+    common = [f'--data_dir={data_dir}', '--lr_decay_iters=6', '--eval_samples=0', *TINY, *extra(script, request)]
     run(script, f'--out_dir={a}', '--max_iters=6', *common)
     run(script, f'--out_dir={b}', '--max_iters=3', *common)
     run(script, f'--out_dir={b}', '--max_iters=6', '--init_from=resume', *common)
@@ -103,6 +121,12 @@ def test_round_trip_train_export_sample(trained):
             cache, ones = hf.new_cache(m), torch.ones(2, 12, dtype=torch.bool)
             hf.gemma_encode(m, x[:, :8], mask=ones[:, :8], pos=torch.arange(8).expand(2, 8), cache=cache)
             return hf.gemma_decode(m, x[:, 8:], cache=cache, mask=ones, pos=torch.arange(8, 12).expand(2, 4))
+    elif family == 'dflash':  # the draft alone, in the public DFlash format (its target stays where it was)
+        import dflash
+        ref = dflash.DFlashDraftModel(transformers.Qwen3Config(**json.loads(c['model_args'])))
+        plain = dflash.DFlashDraftModel.from_pretrained(hf_dir).eval()
+        emb, feats, pos = torch.randn(2, 4, 32), torch.randn(2, 6, 64), torch.arange(10).expand(2, 10)
+        logits = lambda m: m(emb, feats, pos)
     else:
         ref = hf.build_model('scratch', hf_config=json.loads(c['model_args']))
         plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
@@ -113,8 +137,9 @@ def test_round_trip_train_export_sample(trained):
     with open(os.path.join(hf_dir, 'meta.json')) as f:
         meta = json.load(f)
     assert meta['family'] == family and meta['sampler'] == {'llada': 'llada', 'ar': 'ar', 'scdd': 'scdd',
-                                                            'hybrid': 'nemotron', 'gemma_bd': 'gemma'}[family]
-    if family in ('llada', 'scdd', 'hybrid'):
+                                                            'hybrid': 'nemotron', 'gemma_bd': 'gemma',
+                                                            'dflash': 'dflash'}[family]
+    if family in ('llada', 'scdd', 'hybrid', 'dflash'):
         assert meta['mask_id'] == c['mask_id']
     model, tok, meta = sample.load_checkpoint(out)
     opts = sample.sampler_options(meta['sampler'], meta, {})
@@ -167,14 +192,15 @@ def test_bad_inputs_fail_with_one_line(data_dir, tmp_path):
 
 @pytest.mark.parametrize('script,fsdp', [('llada.py', False), ('llada.py', True), ('scdd.py', False),
                                          ('scdd.py', True), ('hybrid.py', False), ('hybrid.py', True),
-                                         ('gemma_bd.py', False), ('gemma_bd.py', True)])
-def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, fsdp):
+                                         ('gemma_bd.py', False), ('gemma_bd.py', True), ('dflash.py', False),
+                                         ('dflash.py', True)])
+def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, fsdp, request):
     # 4 accumulation steps in total: 2 micro-steps per rank, so the gradient-sync toggle matters (sync only on the
     # last micro-step; DDP reads require_backward_grad_sync in forward, FSDP2 its flag in backward). One micro-step
     # per rank would pass with the toggle set late, never, or not at all.
     a, b = str(tmp_path / 'one'), str(tmp_path / 'two')
     common = [f'--data_dir={data_dir}', '--max_iters=1', '--gradient_accumulation_steps=4', '--grad_clip=0',
-              '--eval_samples=0', f'--fsdp={fsdp}', *TINY]
+              '--eval_samples=0', f'--fsdp={fsdp}', *TINY, *extra(script, request)]
     run(script, f'--out_dir={a}', *common)
     run(script, f'--out_dir={b}', *common, nproc=2)
     ca, cb = ckpt(a), ckpt(b)
@@ -187,13 +213,13 @@ def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, 
         assert torch.allclose(st['exp_avg'], cb['optimizer']['state'][k]['exp_avg'], atol=1e-7, rtol=1e-4), k
 
 
-@pytest.mark.parametrize('script', ['ar.py', 'hybrid.py', 'gemma_bd.py'])
-def test_fsdp_two_ranks_with_eval(data_dir, tmp_path, script):
+@pytest.mark.parametrize('script', ['ar.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py'])
+def test_fsdp_two_ranks_with_eval(data_dir, tmp_path, script, request):
     # smoke test of FSDP2 + an accuracy eval whose sampler could stop early (unshard around sampling; ar:
     # stop_at_eos=False, hybrid: the even schedule without early stop, gemma_bd: every step of every canvas keep
-    # ranks in lockstep)
+    # ranks in lockstep; dflash: ranks run different numbers of draft forwards, so every unit stays gathered)
     out = str(tmp_path / 'out')
     r = run(script, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--fsdp=True', *TINY,
-            '--eval_samples=9', '--gradient_accumulation_steps=2', nproc=2)
+            '--eval_samples=9', '--gradient_accumulation_steps=2', *extra(script, request), nproc=2)
     assert 'held-out exact-match accuracy' in r.stdout
     assert ckpt(out)['step'] == 2

@@ -290,6 +290,37 @@ def test_lossless_greedy_on_a_padded_batch_with_partial_acceptance():
     assert 1.2 < tau < 3.8, tau  # drafts partly accepted: rejected slots sat in the caches, masked out
 
 
+def test_sampler_draft_sees_exactly_the_committed_context():
+    # every draft forward of the sampler on a padded batch (cached context, new features appended, slots of drafts
+    # rejected in this row but accepted in another masked out) equals the training forward's block at that anchor
+    # on the row's final sequence: exactly the context strictly before the anchor
+    target = tiny_target(attn_scale=0.2)
+    draft, bs = tiny_draft(target), 4
+    oracle = Oracle(target, bs)  # proposes (so rows accept different lengths); the real draft runs alongside
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        block_size, target_layer_ids, mask_token_id = bs, [1, 2], MASK
+
+        def forward(self, emb, ctx, pos, mask=None, cache=None):
+            h = draft(emb, ctx, pos, mask=mask, cache=cache)
+            if h.shape[0] == len(PROMPTS):  # before any row has left the batch: row b is prompt b
+                seen.append((pos[:, -bs].tolist(), h))
+            return oracle(emb, ctx, pos)
+    out, st = spec(target, Recorder(), PROMPTS, 23, eos_id=-1)
+    m = dflash.DFlash(draft, target, weights=dflash.decay_weights(bs, 2.0))
+    for b, p in enumerate(PROMPTS):
+        seq = torch.tensor([p + out[b]])
+        _, feats = hf.tapped_forward(target, seq, [1, 2], logits=False)
+        for anchors, h in seen:
+            a = torch.tensor([[anchors[b]]])
+            ref = m.draft_states(feats, seq, a, torch.ones(1, 1, dtype=torch.bool)).view(bs, C)
+            assert torch.allclose(h[b], ref, atol=1e-5), (b, anchors[b])
+    assert len(seen) > 5 and len({tuple(a) for a, _ in seen}) == len(seen)
+    made = [[a - len(p) for a, p in zip(anchors, PROMPTS)] for anchors, _ in seen]
+    assert any(len(set(m)) > 1 for m in made), made  # rows accepted different lengths: masked slots were in play
+
+
 def test_batched_equals_one_by_one_and_seeded_sampling():
     target = tiny_target(attn_scale=0.2)
     o = Oracle(target, 4)

@@ -226,11 +226,11 @@ def forward(model, x, *, mask=None, pos=None, keep=0, cache=None):
     return logits[:, -keep:] if keep else logits
 
 
-def tapped_forward(model, x, layer_ids, *, mask=None, pos=None, cache=None, logits=True):
+def tapped_forward(model, x, layer_ids, *, mask=None, pos=None, cache=None, logits=True, keep=0):
     """One forward of a causal LM that also returns the outputs of decoder layers `layer_ids` (HF hidden_states[i + 1];
     by HF convention the last entry is after the final norm), concatenated on the feature axis:
-    -> (logits (B, N, V) or None when logits=False (no LM head: DFlash training), feats (B, N, len(layer_ids)·C)).
-    mask, pos and cache as in forward()."""
+    -> (logits (B, keep or N, V) or None when logits=False (no LM head: DFlash training), feats (B, N,
+    len(layer_ids)·C)). mask, pos and cache as in forward(); keep > 0: logits of the last keep positions only."""
     decoder = model.get_decoder()
     takes_pos, _, cache_kw = _forward_kwargs(getattr(decoder.forward, '__func__', decoder.forward))
     kw = {'use_cache': False} if cache is None else {'use_cache': True, cache_kw: cache}
@@ -242,7 +242,8 @@ def tapped_forward(model, x, layer_ids, *, mask=None, pos=None, cache=None, logi
     feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
     if not logits:
         return None, feats
-    z = model.get_output_embeddings()(out.last_hidden_state)
+    h = out.last_hidden_state
+    z = model.get_output_embeddings()(h[:, -keep:] if keep else h)
     cap = getattr(model.config, 'final_logit_softcapping', None)
     return (cap * torch.tanh(z / cap) if cap else z), feats
 

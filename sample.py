@@ -904,7 +904,8 @@ def sample_dflash(model, x, *, prompt_mask=None, gen_length=128, temperature=0.0
     x, key_valid, pos, _ = make_canvas(x, prompt_mask, gen_length + bs, M)  # room for a block past gen_length
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     tkv = hf.new_cache()
-    logits, feats = hf.tapped_forward(target, x[:, :P], taps, mask=key_valid[:, :P].long(), pos=pos[:, :P], cache=tkv)
+    logits, feats = hf.tapped_forward(target, x[:, :P], taps, mask=key_valid[:, :P].long(), pos=pos[:, :P], cache=tkv,
+                                      keep=1)
     _count(stats, B)
     first = pick_tokens(logits[:, -1], temperature, generator, mask_id)  # (B,)
     x[:, P] = first
@@ -952,6 +953,130 @@ def sample_dflash(model, x, *, prompt_mask=None, gen_length=128, temperature=0.0
         hf.crop(r.tkv, r.tvalid.shape[1] + m)
         r.tvalid = torch.cat([r.tvalid, take[:, :m]], 1)
         r.ctx, r.ctx_valid, r.ctx_pos = feats[:, :m], take[:, :m], bpos[:, :m]
+        r.made = r.made + acc + 1
+        fin = (r.ended | (r.made >= gen_length)).cpu()
+    return r.done()[:, :P + gen_length]
+
+
+@sampler('idlm', families=('idlm',), from_meta=('gen_length', 'block_length'),
+         report=lambda t: {'accepted/round': t.get('accepted', 0) / max(t.get('verified', 0), 1)},
+         preset=dict(gen_length=256, block_length=3, temperature=0.0))
+@torch.no_grad()
+def sample_idlm(model, x, *, prompt_mask=None, gen_length=256, block_length=3, temperature=0.0, mask_id,
+                eos_id=-1, generator=None, stats=None, callback=None):
+    """I-DLM's introspective strided decoding (ISD; methods.md §2.5, the reference's idlm_blockN), batched, for a
+    model converted by idlm.py (a plain causal LM whose [MASK] positions were trained to predict ahead).
+
+    Stride N = block_length + 1. Every forward reads 2N - 1 positions after the KV cache, strictly causal:
+        [pending, s_1 .. s_{N-1}, MASK x (N-1)]     pending: the last emitted token (not in the cache yet),
+                                                    s_k: last round's speculative tokens (MASKs after a cold start)
+    verify  the clean positions give the model's own AR distribution p of the next token; s_k is accepted left to
+            right while it equals argmax p (T = 0), or with probability min(1, p(s_k)/q(s_k)) (T > 0; q: the
+            distribution it was drawn from);
+    emit    the accepted specs, then the AR token after them (argmax p, or a draw from the residual max(0, p - q)
+            after a rejection): acc + 1 tokens; N tokens when every spec passes;
+    propose all accepted: the N - 1 MASKs (which see the whole verified prefix) propose the next specs; a
+            rejection: a cold start, i.e. the next forward has MASKs in the spec slots, which propose them.
+    The cache keeps the verified clean tokens only (pending + accepted specs; MASK and rejected slots never stay: in a
+    batch, where rows accept different lengths, they are masked out and the cache is cropped to the longest
+    acceptance). Every emitted token is the model's own AR choice given the emitted prefix, so at T = 0 the output
+    equals the converted model's greedy AR decoding (sample_ar) token for token; at T > 0 specs are DRAWN from q
+    (the reference takes q's argmax) so the min(1, p/q) test with residual resampling is exact speculative sampling.
+    The prefill is a cold start: [prompt, MASK x (N-1)] in one forward gives the first token (the AR one) and the
+    first specs. NFE counts every forward (the prefill too); the --eval line adds accepted/round, the mean accepted specs per verifying round. Rows that
+    produced EOS or gen_length tokens leave the batch. Returns (B, P + gen_length)."""
+    need(mask_id >= 0, 'the idlm sampler needs the [MASK] id (meta.json mask_id)')
+    check_common(temperature)
+    need(gen_length >= 1 and block_length >= 1, f'need gen_length >= 1 and block_length >= 1, got {gen_length}, '
+                                                f'{block_length}')
+    N = block_length + 1
+    W = 2 * N - 1  # positions per forward
+    B, P = x.shape
+    dev = x.device
+    x, key_valid, pos, _ = make_canvas(x, prompt_mask, gen_length + W, mask_id)  # room for a round past the end
+    hot = temperature > 0
+
+    def dist(z):  # tempered probabilities of logits z (..., V), [MASK] never an answer
+        z = z.double()
+        z[..., mask_id] = -torch.inf
+        return torch.softmax(z / temperature, -1)
+    # prefill = a cold start: [prompt, MASK x (N-1)] in one forward; the last prompt position gives the first token
+    # (the AR one), the MASKs the first specs; the cache keeps the prompt only
+    kv = hf.new_cache()
+    first = torch.cat([x[:, :P], x.new_full((B, N - 1), mask_id)], 1)
+    logits = hf.forward(model, first, mask=key_valid[:, :P + N - 1].long(), pos=pos[:, :P + N - 1], cache=kv,
+                        keep=N)  # (B, N, V)
+    _count(stats, B)
+    check_finite(logits.amax(-1))
+    hf.crop(kv, P)
+    if hot:
+        q0 = dist(logits[:, 1:])
+        x[:, P] = kernels.sample_categorical(dist(logits[:, 0]), generator)
+        specs = kernels.sample_categorical(q0, generator)
+    else:
+        logits[..., mask_id] = -torch.inf
+        x[:, P], specs, q0 = logits[:, 0].argmax(-1), logits[:, 1:].argmax(-1), None
+    r = Rows(x, P, mask_id, eos_id, pos=pos, made=torch.ones(B, dtype=torch.long, device=dev),
+             ended=x[:, P] == eos_id, kv=kv, valid=key_valid[:, :P], specs=specs,
+             has=torch.ones(B, dtype=torch.bool, device=dev), q=q0)
+    if callback is not None:
+        r.report(callback, torch.ones(B, 1, dtype=torch.bool, device=dev), P)
+    j = torch.arange(W, device=dev)
+    causal = j[None, :] <= j[:, None]  # (W, W)
+    fin = (r.ended | (r.made >= gen_length)).cpu()
+    while not (fin.any() and r.retire(fin) == 0):
+        cols = P - 1 + r.made[:, None] + j  # (B', W) canvas slots: pending, specs, MASKs
+        tok = torch.cat([r.x.gather(1, cols[:, :1]), r.specs, torch.full((r.n, N - 1), mask_id, device=dev)], 1)
+        mask = torch.cat([r.valid[:, None, :].expand(-1, W, -1), causal.expand(r.n, W, W)], 2)[:, None]
+        logits = hf.forward(model, tok, mask=mask, pos=r.pos.gather(1, cols), cache=r.kv)  # (B', W, V)
+        _count(stats, r.n)
+        check_finite(logits.amax(-1))
+        if not hot:
+            logits[..., mask_id] = -torch.inf
+            ar = logits[:, :N].argmax(-1)  # (B', N) the AR token after slots 0 .. N-1
+            ok = (r.specs == ar[:, :N - 1]) & r.has[:, None]
+            acc = ok.long().cumprod(1).sum(1)  # (B',) accepted specs
+            emit = ar  # tokens emitted: emit[:, :acc + 1]
+            new = torch.where(r.has[:, None], logits[:, N:].argmax(-1), logits[:, 1:N].argmax(-1))
+            q_new = None
+        else:
+            p = dist(logits[:, :N])  # (B', N, V) the AR distributions after slots 0 .. N-1
+            q = r.q if r.q is not None else p[:, :N - 1]
+            ps, qs = (d[:, :N - 1].gather(-1, r.specs[..., None])[..., 0] for d in (p, q))
+            u = torch.rand(ps.shape, dtype=torch.float64, device=dev, generator=generator)
+            ok = (u * qs < ps) & r.has[:, None]  # u < p/q, i.e. accept with probability min(1, p/q)
+            acc = ok.long().cumprod(1).sum(1)
+            at = acc.clamp(max=N - 1)[:, None, None].expand(-1, 1, p.shape[-1])
+            p_at = p.gather(1, at)[:, 0]  # (B', V) the distribution of the token after the accepted specs
+            rejected = r.has & (acc < N - 1)
+            resid = (p_at - q.gather(1, at.clamp(max=N - 2))[:, 0]).clamp_min(0)  # a rejection: max(0, p - q)
+            resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_at)
+            last = kernels.sample_categorical(torch.where(rejected[:, None], resid, p_at), generator)  # (B',)
+            emit = torch.cat([r.specs, r.specs[:, :1]], 1).scatter(1, acc[:, None], last[:, None])
+            q_new = torch.where(r.has[:, None, None], dist(logits[:, N:]), dist(logits[:, 1:N]))
+            new = kernels.sample_categorical(q_new, generator)  # (B', N - 1) specs drawn from q
+        k = torch.arange(N, device=dev)
+        take = k[None, :] <= acc[:, None]  # (B', N) emitted slots
+        if eos_id >= 0:  # everything after an emitted EOS is EOS, and the row is done
+            eos = (emit == eos_id) & take
+            emit = torch.where(eos.long().cumsum(1) > 0, eos_id, emit)
+            r.ended = r.ended | eos.any(1)
+        r.x.scatter_(1, cols[:, 1:N + 1], torch.where(take, emit, mask_id))
+        if stats is not None:
+            stats['accepted'] = stats.get('accepted', 0) + int(acc[r.has].sum())
+            stats['verified'] = stats.get('verified', 0) + int(r.has.sum())
+        if callback is not None:
+            changed = torch.zeros(r.n, r.x.shape[1] - P, dtype=torch.bool, device=dev)
+            r.report(callback, changed.scatter_(1, cols[:, 1:N + 1] - P, take), P)
+        # the cache keeps pending + the accepted specs (slots 0 .. acc); the rest goes or is masked out
+        m = int(acc.max()) + 1
+        hf.crop(r.kv, r.valid.shape[1] + m)
+        r.valid = torch.cat([r.valid, (j[None, :m] <= acc[:, None])], 1)
+        full = r.has & (acc == N - 1)
+        cold = ~r.has
+        r.has = full | cold  # a rejection: the next forward is a cold start
+        r.specs = torch.where(r.has[:, None], new, mask_id)
+        r.q = q_new
         r.made = r.made + acc + 1
         fin = (r.ended | (r.made >= gen_length)).cpu()
     return r.done()[:, :P + gen_length]

@@ -34,7 +34,7 @@ def section(path, name):
 def test_shared_sections_are_identical_in_every_family_script(name):
     scripts = sorted(glob.glob(os.path.join(ROOT, '*.py')))
     blocks = {os.path.basename(p): b for p in scripts if (b := section(p, name)) is not None}
-    need = {'llada.py', 'ar.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py'}
+    need = {'llada.py', 'ar.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py', 'idlm.py'}
     assert need <= set(blocks), f'# {name} missing from {sorted(need - set(blocks))}'
     ref = blocks['llada.py']
     assert len(ref) > 5, ref  # a real block, not an empty title

@@ -42,8 +42,9 @@ def ckpt(tmp_path_factory):
                                    'num_timesteps': 1000, 'uniform_ratio': 0.1, 'schedule_shape': 1.0,
                                    'schedule_peak': 0.5}),
                          ('hybrid', {'sampler': 'nemotron', 'gen_length': 4, 'block_length': 2, 'steps': 2,
-                                     'threshold': 0.9})]:
-        tiny(tok.vocab_size, family not in ('ar', 'hybrid')).save_pretrained(d / family / 'hf')
+                                     'threshold': 0.9}),
+                         ('idlm', {'sampler': 'idlm', 'gen_length': 4, 'block_length': 2})]:
+        tiny(tok.vocab_size, family not in ('ar', 'hybrid', 'idlm')).save_pretrained(d / family / 'hf')
         (d / family / 'hf' / 'meta.json').write_text(json.dumps({**tok.meta(), 'family': family, **meta}))
     torch.manual_seed(0)  # a gemma_bd.py export: the native DiffusionGemma, canvases of 2
     hf.build_diffusion_gemma('scratch', vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
@@ -146,7 +147,8 @@ def test_sampler_of_another_family_needs_force(ckpt, capsys):
     ('hybrid', ('--sampler', 'nemotron', '--cache', 'none')),
     ('hybrid', ('--sampler', 'nemotron', '--mode', 'ar')),
     ('gemma_bd', ('--sampler', 'gemma', '--no-adaptive_stop')),
-    ('dflash', ('--sampler', 'dflash', '--temperature', 0.5))])
+    ('dflash', ('--sampler', 'dflash', '--temperature', 0.5)),
+    ('idlm', ('--sampler', 'idlm', '--block_length', 3))])
 def test_cli_eval_one_line(ckpt, capsys, family, args):
     code, out, err = run_main(capsys, '--checkpoint', ckpt / family, '--eval', ckpt / 'val.jsonl', '--batch_size',
                               4, *args)
@@ -387,3 +389,17 @@ def test_cli_dflash(ckpt, capsys, tmp_path):
     (moved / 'hf' / 'meta.json').write_text(json.dumps({**meta, 'target': str(tmp_path / 'gone')}))
     code, out, err = run_main(capsys, '--checkpoint', moved, '--prompt', '1+2')
     assert one_line_error(code, err, 'has no config.json; restore it there'), err
+
+
+def test_cli_idlm(ckpt, capsys):
+    # an idlm checkpoint decodes with ISD by default (its stride from meta.json); greedy ISD is the model's own greedy
+    # AR decoding (the same weights as the ar checkpoint); what does not apply is refused with one line
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'idlm', '--prompt', '1+2', '--prompt', '33+4')
+    code_ar, out_ar, _ = run_main(capsys, '--checkpoint', ckpt / 'ar', '--prompt', '1+2', '--prompt', '33+4')
+    assert code == code_ar == 0 and out == out_ar, (out, out_ar, err)
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'idlm', '--eval', ckpt / 'val.jsonl')
+    assert code == 0 and re.match(EVAL_LINE + r' \| accepted/round \d\.\d\d$', out.strip()), out
+    for args, msg in [(('--steps', 3), "--steps does not apply to sampler 'idlm'"),
+                      (('--block_length', 0), 'need gen_length >= 1 and block_length >= 1')]:
+        code, out, err = run_main(capsys, '--checkpoint', ckpt / 'idlm', '--prompt', '1+2', *args)
+        assert one_line_error(code, err, msg), (args, err)

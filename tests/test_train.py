@@ -1,4 +1,4 @@
-"""End-to-end runs of the family scripts (llada.py, ar.py, scdd.py, hybrid.py, gemma_bd.py, dflash.py) on a tiny model and a small synthetic dataset:
+"""End-to-end runs of the family scripts (llada.py, ar.py, scdd.py, hybrid.py, gemma_bd.py, dflash.py, idlm.py) on a tiny model and a small synthetic dataset:
 the loss goes down, resume is bit-exact, the checkpoint and the HF export load and sample.py decodes from them with
 the sampler they name, bad input fails with one line,
 and 2-process gloo DDP / FSDP2 with 2 micro-steps each give the gradients of 1 process with 4 accumulation steps.
@@ -33,8 +33,12 @@ def ar_target(data_dir, tmp_path_factory):
     return out
 
 
-def extra(script, request):
-    """The arguments a script needs beyond TINY: dflash.py its target (the tiny ar.py run), its taps and blocks."""
+def extra(script, request, convert=False):
+    """The arguments a script needs beyond TINY: dflash.py its target (the tiny ar.py run), its taps and blocks;
+    idlm.py its stride, and with convert=True the tiny ar.py run to convert (else a random causal model)."""
+    if script == 'idlm.py':
+        start = request.getfixturevalue('ar_target') if convert else 'scratch'
+        return [f'--init_from={start}', '--block_length=2', '--gen_length=6']
     if script != 'dflash.py':
         return []
     return [f"--target={request.getfixturevalue('ar_target')}", '--target_layer_ids=0,1', '--block_size=4',
@@ -60,13 +64,14 @@ def ckpt(out_dir):
     return torch.load(os.path.join(out_dir, 'ckpt.pt'), map_location='cpu', weights_only=True)
 
 
-@pytest.fixture(scope='module', params=['llada.py', 'ar.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py'])
+@pytest.fixture(scope='module', params=['llada.py', 'ar.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py',
+                                        'idlm.py'])
 def trained(request, data_dir, tmp_path_factory):
     """(script, out_dir, stdout) of a 40-step tiny run, shared by the tests that read what it wrote."""
     script = request.param
     out = str(tmp_path_factory.mktemp('trained') / 'out')
     r = run(script, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=40', '--learning_rate=1e-2', *TINY,
-            *extra(script, request))
+            *extra(script, request, convert=True))
     return script, out, r.stdout
 
 
@@ -81,13 +86,13 @@ def test_tiny_run_learns(trained):
     assert not any(k.startswith(('_orig_mod.', 'module.', 'model.model.model')) for k in c['model']), list(c['model'])[:3]
 
 
-@pytest.mark.parametrize('script', ['llada.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py'])
+@pytest.mark.parametrize('script', ['llada.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py', 'idlm.py'])
 def test_resume_is_bit_exact(data_dir, tmp_path, script, request):
     a, b = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
     common = [f'--data_dir={data_dir}', '--lr_decay_iters=6', '--eval_samples=0', *TINY, *extra(script, request)]
     run(script, f'--out_dir={a}', '--max_iters=6', *common)
     run(script, f'--out_dir={b}', '--max_iters=3', *common)
-    run(script, f'--out_dir={b}', '--max_iters=6', '--init_from=resume', *common)
+    run(script, f'--out_dir={b}', '--max_iters=6', *common, '--init_from=resume')
     la, lb = losses(a), losses(b)
     assert [la[s] for s in range(1, 7)] == [lb[s] for s in range(1, 7)], (la, lb)
     ca, cb = ckpt(a), ckpt(b)
@@ -96,6 +101,10 @@ def test_resume_is_bit_exact(data_dir, tmp_path, script, request):
         assert torch.equal(ca['model'][k], cb['model'][k]), k
     for k, st in ca['optimizer']['state'].items():
         assert torch.equal(st['exp_avg'], cb['optimizer']['state'][k]['exp_avg']), k
+    if script == 'dflash.py':  # a resumed draft keeps its [MASK]: another one is one line, exit 2
+        r = run(script, f'--out_dir={b}', '--max_iters=7', '--init_from=resume', '--mask_id=260', *common, check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and 'a resumed draft keeps its [MASK]' in lines[0], r.stderr
 
 
 def test_round_trip_train_export_sample(trained):
@@ -131,15 +140,15 @@ def test_round_trip_train_export_sample(trained):
         ref = hf.build_model('scratch', hf_config=json.loads(c['model_args']))
         plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
         logits = lambda m: m(x).logits
-        assert plain.config.is_causal is (family in ('ar', 'hybrid'))  # llada: still a bidirectional denoiser
+        assert plain.config.is_causal is (family in ('ar', 'hybrid', 'idlm'))  # llada: still a bidirectional denoiser
     ref.load_state_dict(c['model'])
     assert torch.allclose(logits(plain), logits(ref.eval()), atol=1e-6)
     with open(os.path.join(hf_dir, 'meta.json')) as f:
         meta = json.load(f)
     assert meta['family'] == family and meta['sampler'] == {'llada': 'llada', 'ar': 'ar', 'scdd': 'scdd',
                                                             'hybrid': 'nemotron', 'gemma_bd': 'gemma',
-                                                            'dflash': 'dflash'}[family]
-    if family in ('llada', 'scdd', 'hybrid', 'dflash'):
+                                                            'dflash': 'dflash', 'idlm': 'idlm'}[family]
+    if family in ('llada', 'scdd', 'hybrid', 'dflash', 'idlm'):
         assert meta['mask_id'] == c['mask_id']
     model, tok, meta = sample.load_checkpoint(out)
     opts = sample.sampler_options(meta['sampler'], meta, {})
@@ -167,7 +176,7 @@ def test_round_trip_train_export_sample(trained):
         assert isinstance(o, list) and all(type(t) is int for t in o) and len(o) <= opts['gen_length'], o
         assert all(type(t) is int for t in f) and len(f) == opts['gen_length'], f
         assert meta['eos_id'] not in o, o
-        if family in ('llada', 'scdd', 'hybrid'):
+        if family in ('llada', 'scdd', 'hybrid', 'idlm'):
             assert meta['mask_id'] not in o and meta['mask_id'] not in f, (o, f)
     r = subprocess.run([sys.executable, 'sample.py', '--checkpoint', out, '--prompt', texts[0]], capture_output=True,
                        text=True, cwd=ROOT, timeout=300)
@@ -193,7 +202,7 @@ def test_bad_inputs_fail_with_one_line(data_dir, tmp_path):
 @pytest.mark.parametrize('script,fsdp', [('llada.py', False), ('llada.py', True), ('scdd.py', False),
                                          ('scdd.py', True), ('hybrid.py', False), ('hybrid.py', True),
                                          ('gemma_bd.py', False), ('gemma_bd.py', True), ('dflash.py', False),
-                                         ('dflash.py', True)])
+                                         ('dflash.py', True), ('idlm.py', False), ('idlm.py', True)])
 def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, fsdp, request):
     # 4 accumulation steps in total: 2 micro-steps per rank, so the gradient-sync toggle matters (sync only on the
     # last micro-step; DDP reads require_backward_grad_sync in forward, FSDP2 its flag in backward). One micro-step
@@ -213,11 +222,11 @@ def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, 
         assert torch.allclose(st['exp_avg'], cb['optimizer']['state'][k]['exp_avg'], atol=1e-7, rtol=1e-4), k
 
 
-@pytest.mark.parametrize('script', ['ar.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py'])
+@pytest.mark.parametrize('script', ['ar.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py', 'idlm.py'])
 def test_fsdp_two_ranks_with_eval(data_dir, tmp_path, script, request):
     # smoke test of FSDP2 + an accuracy eval whose sampler could stop early (unshard around sampling; ar:
     # stop_at_eos=False, hybrid: the even schedule without early stop, gemma_bd: every step of every canvas keep
-    # ranks in lockstep; dflash: ranks run different numbers of draft forwards, so every unit stays gathered)
+    # ranks in lockstep; dflash and idlm: ranks run different numbers of forwards, so every unit stays gathered)
     out = str(tmp_path / 'out')
     r = run(script, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--fsdp=True', *TINY,
             '--eval_samples=9', '--gradient_accumulation_steps=2', *extra(script, request), nproc=2)

@@ -17,6 +17,8 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py --only=dflash_train  # one dflash.py training step vs a naive full-logits step
     python bench.py --only=dflash        # dflash.py speculative decoding vs KV-cached AR decoding of its target, at
                                          # batch 1 and 64 (same tokens)
+    python bench.py --only=idlm          # idlm.py ISD vs KV-cached AR decoding of the model it was converted from, and
+                                         # the same tokens as the converted model's own AR decoding
     python bench.py --only=gpu           # every CUDA path of a llada step (flex, bf16, compile, FSDP2) checked against
                                          # its reference, then tokens/s + MFU of a ~0.5B model; exits 1 if a check fails
     python bench.py --only=gpu --toy     # the same at a tiny size (the default on CPU, where flex runs forward only)
@@ -758,6 +760,68 @@ def dflash_need_mib(variant, args):
 
 
 # -----------------------------------------------------------------------------
+# idlm: an idlm.py checkpoint decoded by ISD (greedy, stride block_length + 1) vs KV-cached AR decoding of the AR
+# model it was converted from (the speedup), and vs AR decoding of the converted model itself (ISD must decode the
+# very same tokens: lossless), at batch 1 and at --sample_batch.
+
+IDLM_VARIANTS = ['ar_original_b1', 'ar_converted_b1', 'idlm_b1', 'ar_original_batch', 'idlm_batch']
+
+
+def idlm_child(variant, args):
+    import sample
+    if not os.path.isdir(args.idlm_checkpoint):
+        return {'error': f"skipped: no checkpoint {args.idlm_checkpoint!r} (run python idlm.py)"}
+    model, tok, meta = sample.load_checkpoint(args.idlm_checkpoint)
+    if 'original' in variant:
+        with open(os.path.join(args.idlm_checkpoint, 'ckpt.pt'), 'rb') as f:  # the model it was converted from
+            source = torch.load(f, map_location='cpu', weights_only=True)['config']['source']
+        model = hf.load_pretrained(source)
+    b1 = variant.endswith('_b1')
+    records = sample.read_records(args.idlm_val)[:args.n_batch1 if b1 else args.n_prompts]
+    prompts = [sample.encode_prompt(tok, q, raw=False) for q, *_ in records]
+    name = 'idlm' if variant.startswith('idlm') else 'ar'
+    opts = {'gen_length': meta['gen_length'], **({'block_length': meta['block_length']} if name == 'idlm' else {})}
+    batch = 1 if b1 else args.sample_batch
+
+    def run(ps, stats):
+        return sample.generate(model, ps, sampler=name, pad_id=meta['pad_id'], eos_id=meta['eos_id'],
+                               mask_id=meta['mask_id'], stats=stats, **opts)
+
+    runs = []
+    for _ in range(args.iters):
+        stats, outs = {}, []
+        run(prompts[:batch], {})  # warm-up
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(0, len(prompts), batch):
+            outs += run(prompts[i:i + batch], stats)
+        runs.append({'wall': time.perf_counter() - t0, 'cpu_s': time.process_time() - c0, **stats})
+    return decode_result(runs, outs, tok, records, {'batch': batch, **opts})
+
+
+def idlm_report(results, args):
+    print(f"idlm: {args.idlm_checkpoint} (greedy ISD), {args.idlm_val}: first {args.n_batch1} prompts at batch 1, "
+          f"first {args.n_prompts} at batch {args.sample_batch}, median of {args.iters} runs (each after a warm-up), "
+          f"{torch.get_num_threads()} threads")
+    header = ("| variant | batch | accuracy | forwards/prompt | tokens/forward | accepted/round | generated tok/s | "
+              "CPU s | speedup vs the original AR | same tokens as the converted model's AR |")
+    for v, r in measured(results, header):
+        ref = results.get('ar_original_b1' if v.endswith('_b1') else 'ar_original_batch')
+        same_ref = results.get('ar_converted_b1')
+        ok = ref is not None and 'error' not in ref
+        speed = f"{ref['wall'] / r['wall']:.2f}x" if ok else '-'
+        same = ('yes' if r['outs'] == same_ref['outs'] else 'NO') if v == 'idlm_b1' and same_ref and \
+            'error' not in same_ref else '-'
+        acc = f"{r['accepted'] / r['verified']:.2f}" if r.get('verified') else '-'
+        print(f"| {v} | {r['opts']['batch']} | {r['accuracy']:.1f}% | {r['row_nfe'] / r['n']:.2f} | "
+              f"{r['tokens'] / r['row_nfe']:.2f} | {acc} | {r['tokens'] / r['wall']:,.0f} | {r['cpu_s']:.2f} | {speed} | "
+              f"{same} |")
+
+
+def idlm_need_mib(variant, args):
+    return 0
+
+
+# -----------------------------------------------------------------------------
 # gpu: every CUDA path of a llada training step, each against its reference in the same run: flex_attention with a
 # BlockMask vs SDPA with the dense mask, bf16 autocast vs fp32, torch.compile vs eager, FSDP2 (a world of 1) vs the
 # unsharded step; then tokens/s and MFU of a ~0.5B model at T=2048. Run it once on a GPU and paste the table.
@@ -1056,6 +1120,7 @@ SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'gemma_train': (GEMMA_TRAIN_VARIANTS, gemma_train_child, gemma_train_report, gemma_train_need_mib),
             'dflash': (DFLASH_VARIANTS, dflash_child, dflash_report, dflash_need_mib),
             'dflash_train': (DFLASH_TRAIN_VARIANTS, dflash_train_child, dflash_train_report, dflash_train_need_mib),
+            'idlm': (IDLM_VARIANTS, idlm_child, idlm_report, idlm_need_mib),
             'gpu': (GPU_CHECKS, gpu_child, gpu_report, gpu_need_mib)}
 
 # -----------------------------------------------------------------------------
@@ -1094,6 +1159,8 @@ def parse_args(argv=None):
     p.add_argument('--gemma_val', default='data/add/val.jsonl', help='gemma: chat JSONL prompts with answers')
     p.add_argument('--dflash_checkpoint', default='out-dflash', help='dflash: a trained dflash out_dir')
     p.add_argument('--dflash_val', default='data/sudoku/val.jsonl', help='dflash: chat JSONL prompts with answers')
+    p.add_argument('--idlm_checkpoint', default='out-idlm-b3', help='idlm: a trained idlm out_dir')
+    p.add_argument('--idlm_val', default='data/sudoku/val.jsonl', help='idlm: chat JSONL prompts with answers')
     p.add_argument('--toy', action=argparse.BooleanOptionalAction, default=None,
                    help='gpu: tiny sizes (default on CPU; --no-toy forces the full sizes)')
     p.add_argument('--peak_tflops', type=float, default=989, help='gpu: peak bf16 dense TFLOPS for MFU (H200: 989)')

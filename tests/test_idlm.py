@@ -198,6 +198,7 @@ def test_tokens_per_forward_accounting(bl):
     assert wrong == right
     # every forward emits one token: the prefill, then alternately a correction and a cold start
     assert st['nfe'] == G and st['accepted'] == 0
+    assert st['verified'] == len(PROMPTS) * math.ceil((G - 1) / 2)  # specs from a rejected round are never verified
 
 
 def test_batched_equals_one_by_one_and_seeded_sampling():

@@ -95,12 +95,13 @@ OPTIONS = {  # every sampler option the command line takes: (type, help). A samp
     'temperature': (float, 'sampling temperature, 0 = greedy'),
     'remasking': (str, "which masked positions to commit: 'low_confidence' or 'random'"),
     'threshold': (float, 'parallel decoding: also commit every masked position with confidence >= t (llada: '
-                         '0 = off) or > t (llada2), in [0, 1]'),
+                         '0 = off; idlm --mode nemo) or > t (llada2), in [0, 1]'),
     'early_stop': (bool, 'a row is done once it has committed EOS with nothing masked before it (gemma: once a '
                          'canvas has an EOS)'),
     'cache': (str, "KV cache: llada (Fast-dLLM, approximate) 'none', 'prefix' or 'dual'; nemotron (exact) "
                    "'prefix' or 'none' (the uncached reference)"),
-    'mode': (str, "nemotron: 'diffusion' (block diffusion) or 'ar' (next-token decoding, the same model)"),
+    'mode': (str, "nemotron: 'diffusion' (block diffusion) or 'ar' (next-token decoding, the same model); idlm: "
+                  "'isd' (introspective strided decoding) or 'nemo' (NeMo's threshold sampler)"),
     'editing_threshold': (float, 'T2T editing threshold (default off; 0.0 = edit whenever the argmax changes)'),
     'max_post_steps': (int, 'post-edit steps per block'),
     't_max': (float, 'gemma: the sampling temperature at the first denoising step (annealed linearly to t_min)'),
@@ -960,10 +961,10 @@ def sample_dflash(model, x, *, prompt_mask=None, gen_length=128, temperature=0.0
 
 @sampler('idlm', families=('idlm',), from_meta=('gen_length', 'block_length'),
          report=lambda t: {'accepted/round': t.get('accepted', 0) / max(t.get('verified', 0), 1)},
-         preset=dict(gen_length=256, block_length=3, temperature=0.0))
+         preset=dict(gen_length=256, block_length=3, temperature=0.0, mode='isd', threshold=0.9))
 @torch.no_grad()
-def sample_idlm(model, x, *, prompt_mask=None, gen_length=256, block_length=3, temperature=0.0, mask_id,
-                eos_id=-1, generator=None, stats=None, callback=None):
+def sample_idlm(model, x, *, prompt_mask=None, gen_length=256, block_length=3, temperature=0.0, mode='isd',
+                threshold=0.9, mask_id, eos_id=-1, generator=None, stats=None, callback=None):
     """I-DLM's introspective strided decoding (ISD; methods.md §2.5, the reference's idlm_blockN), batched, for a
     model converted by idlm.py (a plain causal LM whose [MASK] positions were trained to predict ahead).
 
@@ -984,11 +985,17 @@ def sample_idlm(model, x, *, prompt_mask=None, gen_length=256, block_length=3, t
     (the reference takes q's argmax) so the min(1, p/q) test with residual resampling is exact speculative sampling.
     The prefill is a cold start: [prompt, MASK x (N-1)] in one forward gives the first token (the AR one) and the
     first specs. NFE counts every forward (the prefill too); the --eval line adds accepted/round, the mean accepted specs per verifying round. Rows that
-    produced EOS or gen_length tokens leave the batch. Returns (B, P + gen_length)."""
+    produced EOS or gen_length tokens leave the batch. Returns (B, P + gen_length).
+    mode='nemo': NeMo's simpler IDLMSampler instead (idlm_blocks; --threshold applies to it only)."""
     need(mask_id >= 0, 'the idlm sampler needs the [MASK] id (meta.json mask_id)')
-    check_common(temperature)
+    need(mode in ('isd', 'nemo'), f"mode must be 'isd' or 'nemo' for the idlm sampler, got {mode!r}")
+    check_common(temperature, mask_id, threshold)
     need(gen_length >= 1 and block_length >= 1, f'need gen_length >= 1 and block_length >= 1, got {gen_length}, '
                                                 f'{block_length}')
+    if mode == 'nemo':
+        return idlm_blocks(model, x, prompt_mask=prompt_mask, gen_length=gen_length, block=block_length + 1,
+                           threshold=threshold, temperature=temperature, mask_id=mask_id, eos_id=eos_id,
+                           generator=generator, stats=stats, callback=callback)
     N = block_length + 1
     W = 2 * N - 1  # positions per forward
     B, P = x.shape
@@ -1080,6 +1087,37 @@ def sample_idlm(model, x, *, prompt_mask=None, gen_length=256, block_length=3, t
         r.made = r.made + acc + 1
         fin = (r.ended | (r.made >= gen_length)).cpu()
     return r.done()[:, :P + gen_length]
+
+
+def idlm_blocks(model, x, *, prompt_mask, gen_length, block, threshold, temperature, mask_id, eos_id, generator,
+                stats, callback):
+    """NeMo's IDLMSampler (reference §10.3-10.4: full forward, logit shift 1, block 4, threshold 0.9), the simpler
+    I-DLM decoder: blocks of `block` [MASK]s after the prompt, left to right; each step is one causal forward over the
+    prompt and the canvas so far, no KV cache, position p filled from the logits at p - 1 (the Dream shift); it
+    commits the block's most confident masked position plus every one with confidence >= threshold. Not lossless:
+    a committed token is never verified. A row whose canvas has an EOS with nothing masked before it leaves the
+    batch after its block."""
+    B, P = x.shape
+    x, key_valid, pos, _ = make_canvas(x, prompt_mask, gen_length, mask_id)
+    r = Rows(x, P, mask_id, eos_id, key_valid=key_valid)
+    for lo in range(P, P + gen_length, block):
+        hi = min(lo + block, P + gen_length)
+        while True:
+            cand = r.x[:, lo:hi] == mask_id  # (B', n)
+            if not bool(cand.any()):
+                break
+            logits = forward_logits(model, r.x[:, :hi], r.key_valid[:, :hi], causal=True)[:, lo - 1:hi - 1]
+            _count(stats, r.n)
+            x0, conf = propose(logits, temperature, 'low_confidence', generator, mask_id)
+            commit = select(conf, cand, 1, threshold)
+            r.x[:, lo:hi] = torch.where(commit, x0, r.x[:, lo:hi])
+            if callback is not None:
+                r.report(callback, commit, lo)
+        if eos_id >= 0:
+            fin = eos_finished(r.x[:, P:], mask_id, eos_id).cpu()
+            if fin.any() and r.retire(fin) == 0:
+                return r.out
+    return r.done()
 
 
 def generate(model, prompts, *, sampler='llada', pad_id, eos_id=-1, mask_id=-1, generator=None, **kw):

@@ -35,6 +35,7 @@ FAMILIES = {  # script -> its tiny run's arguments (data_dir and out_dir are add
     'scdd.py': COMMON,
     'hybrid.py': COMMON,
     'gemma_bd.py': COMMON,
+    'idlm.py': COMMON + ['--init_from=scratch', '--block_length=2'],  # a random causal model: no checkpoint to convert
 }
 DATA = dict(task='add', max_seq_len=64, seed=0, n_train=2000, n_val=64)  # the synthetic data the runs train on
 

@@ -211,3 +211,46 @@ def test_batched_equals_one_by_one_and_seeded_sampling():
     c, _ = isd(model, PROMPTS, 15, 2, temperature=1.0, generator=g(4))
     assert a == b and a != c
     assert all(MASK not in r for r in a)
+
+
+def nemo_reference(model, prompt, G, block, threshold):
+    """NeMo's IDLMSampler for one prompt, written out: the canvas [prompt | MASK x G], blocks left to right; each step
+    the full causal logits, position p read from p - 1; commit the block's most confident mask and every mask with
+    confidence >= threshold."""
+    x = torch.tensor([prompt + [MASK] * G])
+    P = len(prompt)
+    nfe = 0
+    for lo in range(P, P + G, block):
+        hi = min(lo + block, P + G)
+        while (x[0, lo:hi] == MASK).any():
+            z = model(x).logits[0].double()
+            nfe += 1
+            z[:, MASK] = -math.inf
+            prob = torch.softmax(z, -1)
+            best, conf = [], []
+            for p in range(lo, hi):
+                if x[0, p] == MASK:
+                    c, t = prob[p - 1].max(0)
+                    best.append((float(c), p, int(t)))
+            top = max(best)
+            for c, p, t in best:
+                if (c, p, t) == top or c >= threshold:
+                    x[0, p] = t
+        gen = x[0, P:].tolist()
+        if EOS in gen and MASK not in gen[:gen.index(EOS)]:
+            break
+    out = x[0, P:].tolist()
+    out = [EOS if t == MASK else t for t in out]
+    return (out[:out.index(EOS)] if EOS in out else out), nfe
+
+
+@pytest.mark.parametrize('threshold', [0.3, 1.0])
+def test_nemo_mode_equals_a_written_out_reference(threshold):
+    model = tiny()
+    out, _ = isd(model, PROMPTS, 11, 3, mode='nemo', threshold=threshold)  # batched (padded)
+    for p, o in zip(PROMPTS, out):
+        with torch.no_grad():
+            ref, nfe = nemo_reference(model, p, 11, 4, threshold)
+        alone, st = isd(model, [p], 11, 3, mode='nemo', threshold=threshold)
+        assert o == alone[0] == ref and st['nfe'] == nfe, (p, o, ref, st, nfe)
+    assert st['nfe'] > 3  # several tokens per block: the threshold and the top-1 rule both exercised

@@ -704,6 +704,19 @@ def dflash_train_report(results, args):
 def dflash_train_need_mib(variant, args):
     return (4 if variant == 'naive_step' else 1) * args.B * 16 * 8 * args.V * 4 / 2**20
 
+def timed_batches(run, prompts, batch, iters):
+    """iters timed passes of run(prompts in batches of `batch`, stats), each after an untimed warm-up batch ->
+    (each pass's {'wall', 'cpu_s', **stats}, the last pass's outputs)."""
+    runs = []
+    for _ in range(iters):
+        stats, outs = {}, []
+        run(prompts[:batch], {})  # warm-up
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(0, len(prompts), batch):
+            outs += run(prompts[i:i + batch], stats)
+        runs.append({'wall': time.perf_counter() - t0, 'cpu_s': time.process_time() - c0, **stats})
+    return runs, outs
+
 # -----------------------------------------------------------------------------
 # dflash: a dflash.py checkpoint, speculative decoding (greedy) vs plain KV-cached AR decoding of its own target
 # (sample.py's ar sampler), at batch 1 and at --sample_batch. Lossless: both must decode the very same tokens (the
@@ -728,14 +741,7 @@ def dflash_child(variant, args):
         return sample.generate(model, ps, sampler=name, pad_id=meta['pad_id'], eos_id=meta['eos_id'],
                                mask_id=meta['mask_id'], gen_length=meta['gen_length'], stats=stats)
 
-    runs = []
-    for _ in range(args.iters):
-        stats, outs = {}, []
-        run(prompts[:batch], {})  # warm-up
-        t0, c0 = time.perf_counter(), time.process_time()
-        for i in range(0, len(prompts), batch):
-            outs += run(prompts[i:i + batch], stats)
-        runs.append({'wall': time.perf_counter() - t0, 'cpu_s': time.process_time() - c0, **stats})
+    runs, outs = timed_batches(run, prompts, batch, args.iters)
     return decode_result(runs, outs, tok, records, {'batch': batch})
 
 
@@ -787,14 +793,7 @@ def idlm_child(variant, args):
         return sample.generate(model, ps, sampler=name, pad_id=meta['pad_id'], eos_id=meta['eos_id'],
                                mask_id=meta['mask_id'], stats=stats, **opts)
 
-    runs = []
-    for _ in range(args.iters):
-        stats, outs = {}, []
-        run(prompts[:batch], {})  # warm-up
-        t0, c0 = time.perf_counter(), time.process_time()
-        for i in range(0, len(prompts), batch):
-            outs += run(prompts[i:i + batch], stats)
-        runs.append({'wall': time.perf_counter() - t0, 'cpu_s': time.process_time() - c0, **stats})
+    runs, outs = timed_batches(run, prompts, batch, args.iters)
     return decode_result(runs, outs, tok, records, {'batch': batch, **opts})
 
 

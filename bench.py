@@ -767,7 +767,7 @@ def dflash_need_mib(variant, args):
 
 # -----------------------------------------------------------------------------
 # idlm: an idlm.py checkpoint decoded by ISD (greedy, stride block_length + 1) vs KV-cached AR decoding of the AR
-# model it was converted from (the speedup), and vs AR decoding of the converted model itself (ISD must decode the
+# model it was converted from (the curriculum's first source; the speedup), and vs AR decoding of the converted model itself (ISD must decode the
 # very same tokens: lossless), at batch 1 and at --sample_batch.
 
 IDLM_VARIANTS = ['ar_original_b1', 'ar_converted_b1', 'idlm_b1', 'ar_original_batch', 'idlm_batch']
@@ -778,9 +778,14 @@ def idlm_child(variant, args):
     if not os.path.isdir(args.idlm_checkpoint):
         return {'error': f"skipped: no checkpoint {args.idlm_checkpoint!r} (run python idlm.py)"}
     model, tok, meta = sample.load_checkpoint(args.idlm_checkpoint)
-    if 'original' in variant:
-        with open(os.path.join(args.idlm_checkpoint, 'ckpt.pt'), 'rb') as f:  # the model it was converted from
-            source = torch.load(f, map_location='cpu', weights_only=True)['config']['source']
+    if 'original' in variant:  # the AR model the curriculum started from: follow the stages' sources back
+        out_dir = args.idlm_checkpoint
+        while True:
+            source = torch.load(os.path.join(out_dir, 'ckpt.pt'), map_location='cpu', weights_only=True)['config']['source']
+            with open(os.path.join(source, 'meta.json')) as f:
+                if json.load(f).get('family') != 'idlm' or not os.path.isfile(os.path.join(source, '..', 'ckpt.pt')):
+                    break
+            out_dir = os.path.dirname(source)
         model = hf.load_pretrained(source)
     b1 = variant.endswith('_b1')
     records = sample.read_records(args.idlm_val)[:args.n_batch1 if b1 else args.n_prompts]

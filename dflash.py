@@ -202,8 +202,9 @@ def build_draft(target_config, *, n_layer, n_head, n_kv_head, n_embd, intermedia
 
 class DFlash(nn.Module):
     """The draft and its loss in one forward, so DDP/FSDP hooks see a single call per micro-step. The frozen
-    target is held outside the module tree (not a submodule: DDP/FSDP and the optimizer see the draft only); it
-    runs once per sequence under no_grad and lends its embeddings and LM head."""
+    target is held outside the module tree (not a submodule: DDP/FSDP and the optimizer see the draft only, and the
+    target is replicated on every rank, not sharded: a limitation, README); it runs once per sequence under no_grad
+    and lends its embeddings and LM head."""
 
     def __init__(self, draft, target, *, weights, compiled_ce=False):
         super().__init__()
@@ -269,6 +270,8 @@ def corruption_seeds(seed, step, global_rows, global_batch):
 def sample_anchors(loss_mask, *, n_blocks, block_size, overlap, seeds):
     """Per row, up to n_blocks anchor positions a (sorted), drawn without replacement from the supervised positions
     whose next token is supervised too (an anchor is a committed response token; its block predicts a+1..a+B-1).
+    A deliberate difference (README): NeMo's trainer (B) takes supervised positions up to S - B only, its dLLM
+    strategy (A) any position in [1, len - B]; here an answer's last tokens train too (slots past it predict nothing).
     overlap=False keeps the blocks [a, a + B) disjoint (a random greedy packing). Per-row generators from seeds.
     -> anchors (R, n_blocks) long (0 in unused slots), keep (R, n_blocks) bool."""
     R, S = loss_mask.shape
@@ -341,7 +344,7 @@ def family_settings_error(c):
 def regenerate_answers(target, tokenizer, in_path, out_path, *, pad_id, eos_id, mask_id, max_new_tokens, temperature,
                batch_size, seed, log=print):
     """Re-roll the last (assistant) turn of every record of the chat JSONL in_path with the target (the `ar`
-    sampler, KV-cached, batched) into out_path, the same records with the target's answers. Resumable: records
+    sampler, KV-cached, batched, in process: NeMo's regenerate script talks to an SGLang server) into out_path, the same records with the target's answers. Resumable: records
     already in out_path are skipped (a torn last line is dropped first), and batch i always draws from a generator
     seeded (seed, i), so a resumed file equals an uninterrupted one. -> the number of records written now."""
     import sample as sampler_lib

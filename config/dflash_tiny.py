@@ -1,5 +1,6 @@
 # dflash_tiny: the embedded default (`python dflash.py` runs exactly this): a 2-layer draft with block 8 (gamma 4)
-# for the tiny ar.py sudoku model (out-ar-sudoku: 4 layers, d=128; its layers 1 and 2 are tapped), trained on
+# for the tiny ar.py sudoku model (out-ar-sudoku: 4 layers, d=128; its layers 1 and 2 are tapped: the paper's
+# spread round(1 + i(L-4)/(n-1)) needs >= 5 target layers, 4 give [1, 1]), trained on
 # 4x4 sudoku (data/sudoku: 16 digits + EOS per answer), CPU.
 # First:    python ar.py config/ar_sudoku.py          (the target, ~12 minutes)
 # Launch:   python dflash.py config/dflash_tiny.py

@@ -117,6 +117,8 @@ OPTIONS = {  # every sampler option the command line takes: (type, help). A samp
     'schedule_shape': (float, "scdd: the schedule's shape (from meta.json: must match training)"),
     'schedule_peak': (float, "scdd: the time of the uniform peak (from meta.json: must match training)"),
     'num_timesteps': (int, 'scdd: the training time grid k/T the sampling times lie on (from meta.json)'),
+    'top_p': (float, 'scdd: nucleus: x_θ keeps its smallest set of most likely tokens with mass >= top_p, '
+                     'renormalised, in (0, 1] (1 = off; the paper evaluates at 0.9)'),
     'cleanup': (str, "scdd: the final argmax pass over 'all' canvas positions (the official noise removal, +1 NFE) "
                      "or only the 'mask' ones left (none at s = 0: the ancestral sample is kept)"),
 }
@@ -555,18 +557,37 @@ def sample_ar(model, x, *, prompt_mask=None, gen_length=128, steps=0, block_leng
     return r.done()
 
 
+def _corrected(stats, moved):
+    """scdd: stats['corrected'] += the visible tokens this step changed to another token (moved: (B, G) bool)."""
+    if stats is not None:
+        stats['corrected'] = stats.get('corrected', 0) + int(moved.sum())
+
+
+def nucleus(p, top_p):
+    """Top-p: p (..., V) cut to the smallest set of its most likely entries whose mass reaches top_p (the entry
+    that crosses it included, ties broken by the sort), renormalised. top_p = 1 returns p."""
+    if top_p >= 1:
+        return p
+    sp, idx = p.sort(-1, descending=True)
+    keep = (sp.cumsum(-1) - sp) < top_p  # the mass before an entry is below top_p: the first entry always stays
+    cut = torch.zeros_like(p).scatter_(-1, idx, sp * keep)
+    return cut / cut.sum(-1, keepdim=True)
+
+
 @sampler('scdd', families=('scdd',), from_meta=('gen_length',),
          trained=('uniform_ratio', 'schedule_shape', 'schedule_peak', 'num_timesteps'),
-         preset=dict(gen_length=128, steps=128, temperature=1.0, early_stop=False, cleanup='all', uniform_ratio=0.1,
+         report=lambda t: {'corrected/prompt': t.get('corrected', 0) / max(t.get('prompts', 0), 1)},
+         preset=dict(gen_length=128, steps=128, temperature=1.0, top_p=1.0, early_stop=False, cleanup='all', uniform_ratio=0.1,
                      schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000))
 @torch.no_grad()
-def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temperature=1.0, early_stop=False,
+def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temperature=1.0, top_p=1.0, early_stop=False,
                 cleanup='all', uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000, mask_id, eos_id=-1,
                 generator=None, stats=None, callback=None):
     """SCDD ancestral sampling (methods.md §1.6, NeMo SCDDSampler): a [MASK] canvas of gen_length after the prompt;
     `steps` steps t -> s down the training grid (t_i = round((steps - i)·T/steps)/T, from 1 to 0). Each step runs
-    one forward, x_θ = softmax(logits / temperature) over the non-mask tokens (temperature 0: the one-hot argmax),
-    and resamples EVERY canvas position from the exact posterior with x_θ for x (scdd.posterior_coefficients):
+    one forward, x_θ = softmax(logits / temperature) over the non-mask tokens (temperature 0: the one-hot argmax;
+    top_p < 1: cut to its nucleus and renormalised, as the paper's eval at 0.9), and resamples EVERY canvas
+    position from the exact posterior with x_θ for x (scdd.posterior_coefficients):
       [MASK]:      z != m: Ct·(A + Bc·x_θ(z)),  m: Mt (it may stay masked)
       visible v:   (C + D·δ_zv)·(A + Bc·x_θ(z)) / (Ut + At·x_θ(v)),  m: 0 (a visible token may be corrected,
                    never re-masked)
@@ -581,15 +602,20 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
       up to it all equal the model's argmax (the clean-up would leave its response as it is) is done and leaves
       the batch (Rows; its tokens after the EOS become EOS). A greedy-ish shortcut: without it every row runs
       every step and the clean-up.
+    stats: also 'corrected' (visible tokens moved to another token: the self-correction at work, the --eval
+    line's corrected/prompt) and 'prompts'.
     Returns (B, P + gen_length)."""
     import scdd
     check_common(temperature, mask_id)
     need(cleanup in ('all', 'mask'), f"cleanup must be 'all' or 'mask', got {cleanup!r}")
+    need(0 < top_p <= 1, f'top_p must be in (0, 1], got {top_p}')
     need(gen_length >= 1 and 1 <= steps <= num_timesteps,
          f'need gen_length >= 1 and 1 <= steps <= num_timesteps={num_timesteps}, got {gen_length}, {steps}')
     problem = scdd.schedule_error(uniform_ratio, schedule_shape, schedule_peak)
     need(problem is None, problem)
     B, P = x.shape
+    if stats is not None:
+        stats['prompts'] = stats.get('prompts', 0) + B
     x, key_valid, pos, attn = make_canvas(x, prompt_mask, gen_length, mask_id)
     r = Rows(x, P, mask_id, eos_id, pos=pos, attn=attn)
     grid = [round((steps - i) * num_timesteps / steps) / num_timesteps for i in range(steps + 1)]
@@ -600,7 +626,7 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
         logits[..., mask_id] = -torch.inf
         if temperature == 0:
             return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        return torch.softmax(logits / temperature, -1)
+        return nucleus(torch.softmax(logits / temperature, -1), top_p)
 
     for i in range(steps + 1):  # steps ancestral steps, then the clean-up
         if i == steps and cleanup == 'mask' and not bool((r.x[:, P:] == mask_id).any()):
@@ -614,6 +640,7 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
             if cleanup == 'mask':
                 new = torch.where(r.x[:, P:] == mask_id, new, r.x[:, P:])
             changed = new != r.x[:, P:]
+            _corrected(stats, changed & (r.x[:, P:] != mask_id))
             r.x[:, P:] = new
             if callback is not None:
                 r.report(callback, changed, P)
@@ -637,6 +664,7 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
         co = {k: float(v) for k, v in co.items()}
         new = kernels.sample_categorical(scdd.reverse_probs(x_theta(logits), z, co, mask_id), generator)  # (B, G)
         changed = new != z
+        _corrected(stats, changed & (z != mask_id))
         r.x[:, P:] = new
         if callback is not None:
             r.report(callback, changed, P)

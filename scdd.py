@@ -317,6 +317,9 @@ def family_settings_error(c):
         return f"steps={c['steps']} must be in [1, num_timesteps={c['num_timesteps']}] (the sampler's grid is the training grid)"
     if not 0 <= c['eps'] < 1:
         return f"eps={c['eps']} must be in [0, 1)"
+    if c['cleanup'] not in ('all', 'mask') or c['temperature'] < 0 or not 0 < c['top_p'] <= 1:
+        return (f"cleanup={c['cleanup']!r} must be 'all' or 'mask', temperature={c['temperature']} >= 0 and "
+                f"top_p={c['top_p']} in (0, 1]")
     if c['eos_fill'] < 0 or c['mask_id'] < -1 or c['chunk_size'] < 0 or c['pad_block_size'] < 1:
         return (f"eos_fill={c['eos_fill']}, chunk_size={c['chunk_size']} must be >= 0, pad_block_size="
                 f"{c['pad_block_size']} >= 1 and mask_id={c['mask_id']} >= -1 (-1: from meta.json)")
@@ -544,7 +547,11 @@ if __name__ == '__main__':
     min_lr = 1e-4  # final learning rate
     # eval & sampling (the scdd sampler used for the accuracy eval)
     gen_length = 5  # tokens generated per val prompt (add: up to 4 digits + EOS)
-    steps = 5  # ancestral steps over the canvas (+1 forward for the final argmax clean-up)
+    steps = 5  # ancestral steps over the canvas (+1 forward for the argmax clean-up with cleanup='all')
+    temperature = 0.0  # x_θ = softmax(logits / temperature) in the posterior (0: the one-hot argmax)
+    top_p = 1.0  # nucleus cut of x_θ before the posterior (1 = off; the paper's eval uses 0.9 at temperature 1)
+    cleanup = 'mask'  # 'mask': the last ancestral sample is the answer (s = 0 leaves no [MASK]); 'all': the official
+    #                  final argmax over every position (+1 forward), which replaces good visible tokens here (README)
     # system
     device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' ...
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
@@ -781,7 +788,8 @@ if __name__ == '__main__':
                            'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
                            'mask_id': mask_id, 'torch_rng': torch.get_rng_state()},
                  raw_model, msd, {**meta, 'mask_id': mask_id, 'family': 'scdd', 'sampler': 'scdd',
-                                  'gen_length': gen_length, 'steps': steps, 'temperature': 0.0,
+                                  'gen_length': gen_length, 'steps': steps, 'temperature': temperature,
+                                  'top_p': top_p, 'cleanup': cleanup,
                                   'num_timesteps': num_timesteps, **sched},
                  tokenizer)
 
@@ -800,8 +808,8 @@ if __name__ == '__main__':
 
     @torch.no_grad()
     def accuracy():
-        """Exact match of the scdd sampler (eval settings: gen_length/steps, greedy x_θ) on the first
-        eval_samples val prompts, split over ranks; every rank runs the same number of batches (FSDP lockstep)."""
+        """Exact match of the scdd sampler (eval settings: gen_length, steps, temperature, top_p, cleanup) on the
+        first eval_samples val prompts, split over ranks; every rank runs the same number of batches (FSDP lockstep)."""
         per_rank = math.ceil(n_acc / ddp_world_size)
         mine = [ddp_rank * per_rank + j for j in range(per_rank)]
         hits = torch.zeros(2, device=device)  # correct, counted
@@ -813,7 +821,8 @@ if __name__ == '__main__':
             prompts = [acc_rows[min(i, n_acc - 1)][0] for i in rows]
             with autocast:
                 gen = sampler_lib.generate(raw_model, prompts, sampler='scdd', mask_id=mask_id, pad_id=pad_id,
-                                           eos_id=eos_id, gen_length=gen_length, steps=steps, temperature=0.0,
+                                           eos_id=eos_id, gen_length=gen_length, steps=steps,
+                                           temperature=temperature, top_p=top_p, cleanup=cleanup,
                                            num_timesteps=num_timesteps, generator=acc_gen, **sched)
             for i, g in zip(rows, gen):
                 if i < n_acc:

@@ -326,6 +326,7 @@ def test_cli_scdd_options(ckpt, capsys):
                       (('--threshold', 0.9), "--threshold does not apply to sampler 'scdd'"),
                       (('--cache', 'dual'), "--cache does not apply to sampler 'scdd'"),
                       (('--steps', 1001), 'need gen_length >= 1 and 1 <= steps <= num_timesteps=1000'),
+                      (('--top_p', 1.5), 'top_p must be in (0, 1], got 1.5'),
                       (('--schedule_shape', 4.0), 'schedule_shape*(1-schedule_peak)=2 must be <= 1')]:
         code, out, err = run_main(capsys, '--checkpoint', ckpt / 'scdd', '--prompt', '1+2', *args)
         assert one_line_error(code, err, msg), (args, err)

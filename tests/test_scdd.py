@@ -342,13 +342,17 @@ def test_sampler_corrects_visible_tokens(tiny, monkeypatch):
     seen = []
     x = torch.tensor([[5, 6]] * 8)
     opts = {**OPTS, 'gen_length': 12, 'steps': 20, 'uniform_ratio': 0.6, 'temperature': 1.0}
-    out = sample.sample_scdd(tiny, x, generator=torch.Generator().manual_seed(0),
+    stats = {}
+    out = sample.sample_scdd(tiny, x, generator=torch.Generator().manual_seed(0), stats=stats,
                              callback=lambda canvas, changed: seen.append(canvas.clone()), **opts)
     corrected = 0
     for before, after in zip(seen, seen[1:-1]):  # ancestral steps only, not the clean-up
         corrected += int(((before != M) & (after != M) & (before != after) & (after == 7)).sum())
     assert corrected > 0
     assert (out[:, 2:] == 7).all()
+    # the --eval count: every visible token moved, from the frames (the first frame is the first step's result)
+    moved = sum(int(((b != M) & (b != a)).sum()) for b, a in zip(seen, seen[1:]))
+    assert stats['corrected'] == moved >= corrected and stats['prompts'] == 8
 
 
 def test_scdd_sampler_rejects_what_does_not_apply():
@@ -400,3 +404,21 @@ def test_a_visible_token_the_model_rules_out_is_kept_not_zeroed():
     assert torch.allclose(probs.sum(-1), torch.ones(3, dtype=torch.float64))
     assert probs[0, 4] == 1 and probs[1, 5] == 1  # kept (4: ruled out by x_θ; 5: the argmax anyway)
     assert probs[2, 5] > 0 and probs[2, m] > 0  # a [MASK] is released to the argmax or stays
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p():
+    # an independent loop: walk each row in descending order, keep entries until their mass reaches top_p
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(50, 9, generator=g, dtype=torch.float64) * 2, -1)
+    for top_p in (0.3, 0.7, 0.9, 0.999):
+        got = sample.nucleus(p, top_p)
+        for row, out in zip(p, got):
+            ref, mass = torch.zeros_like(row), 0.0
+            for i in row.argsort(descending=True).tolist():
+                ref[i], mass = row[i], mass + float(row[i])
+                if mass >= top_p:
+                    break
+            assert torch.allclose(out, ref / ref.sum()), (top_p, row)
+    assert torch.equal(sample.nucleus(p, 1.0), p)
+    hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64)
+    assert torch.allclose(sample.nucleus(hand, 0.8), torch.tensor([[0.625, 0.375, 0, 0]], dtype=torch.float64))

@@ -488,6 +488,17 @@ def sample_categorical_reference(probs, generator=None):
     return (probs.double().log() - torch.log(-torch.log(u))).argmax(-1)
 
 
+def nucleus(p, top_p):
+    """Top-p: p (..., V) cut to the smallest set of its most likely entries whose mass reaches top_p (the entry
+    that crosses it included, ties broken by the sort), renormalised. top_p = 1 returns p."""
+    if top_p >= 1:
+        return p
+    sp, idx = p.sort(-1, descending=True)
+    keep = (sp.cumsum(-1) - sp) < top_p  # the mass before an entry is below top_p: the first entry always stays
+    cut = torch.zeros_like(p).scatter_(-1, idx, sp * keep)
+    return cut / cut.sum(-1, keepdim=True)
+
+
 def num_transfer_tokens(n_masked, steps):
     """LLaDA Eq. (8) schedule: spread each row's n masked tokens evenly over `steps`, the remainder on the
     earliest steps. n_masked (B,) long -> (B, steps) long."""

@@ -563,26 +563,15 @@ def _corrected(stats, moved):
         stats['corrected'] = stats.get('corrected', 0) + int(moved.sum())
 
 
-def nucleus(p, top_p):
-    """Top-p: p (..., V) cut to the smallest set of its most likely entries whose mass reaches top_p (the entry
-    that crosses it included, ties broken by the sort), renormalised. top_p = 1 returns p."""
-    if top_p >= 1:
-        return p
-    sp, idx = p.sort(-1, descending=True)
-    keep = (sp.cumsum(-1) - sp) < top_p  # the mass before an entry is below top_p: the first entry always stays
-    cut = torch.zeros_like(p).scatter_(-1, idx, sp * keep)
-    return cut / cut.sum(-1, keepdim=True)
-
-
 @sampler('scdd', families=('scdd',), from_meta=('gen_length',),
          trained=('uniform_ratio', 'schedule_shape', 'schedule_peak', 'num_timesteps'),
          report=lambda t: {'corrected/prompt': t.get('corrected', 0) / max(t.get('prompts', 0), 1)},
-         preset=dict(gen_length=128, steps=128, temperature=1.0, top_p=1.0, early_stop=False, cleanup='all', uniform_ratio=0.1,
-                     schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000))
+         preset=dict(gen_length=128, steps=128, temperature=1.0, top_p=1.0, early_stop=False, cleanup='all',
+                     uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000))
 @torch.no_grad()
-def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temperature=1.0, top_p=1.0, early_stop=False,
-                cleanup='all', uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000, mask_id, eos_id=-1,
-                generator=None, stats=None, callback=None):
+def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temperature=1.0, top_p=1.0,
+                early_stop=False, cleanup='all', uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5,
+                num_timesteps=1000, mask_id, eos_id=-1, generator=None, stats=None, callback=None):
     """SCDD ancestral sampling (methods.md §1.6, NeMo SCDDSampler): a [MASK] canvas of gen_length after the prompt;
     `steps` steps t -> s down the training grid (t_i = round((steps - i)·T/steps)/T, from 1 to 0). Each step runs
     one forward, x_θ = softmax(logits / temperature) over the non-mask tokens (temperature 0: the one-hot argmax;
@@ -626,7 +615,7 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
         logits[..., mask_id] = -torch.inf
         if temperature == 0:
             return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        return nucleus(torch.softmax(logits / temperature, -1), top_p)
+        return kernels.nucleus(torch.softmax(logits / temperature, -1), top_p)
 
     for i in range(steps + 1):  # steps ancestral steps, then the clean-up
         if i == steps and cleanup == 'mask' and not bool((r.x[:, P:] == mask_id).any()):

@@ -124,6 +124,14 @@ def sample_times(seed, step, global_rows, global_batch, *, eps, num_timesteps):
 # -----------------------------------------------------------------------------
 # model
 
+def ratio_at(step, uniform_ratio, uniform_warmup):
+    """The uniform_ratio trained at optimizer step `step` (0-based): ramped linearly, (step+1)/uniform_warmup of it,
+    over the first uniform_warmup steps, then constant. Not in the paper or NeMo (they train at the full ratio from
+    step 0): on the tiny add task, uniform noise from step 0 delays the step at which the task is learned by a
+    seed-dependent amount, sometimes past the budget (README, SCDD). A pure function of the step: resume replays it."""
+    return uniform_ratio * min(1.0, (step + 1) / uniform_warmup) if uniform_warmup > 0 else uniform_ratio
+
+
 def check_mask_id(mask_id, vocab_size, pad_id=-1, eos_id=-1):
     """mask_id must be a real embedding row and must not collide with pad/eos (they are trained as content)."""
     if not (0 <= mask_id < vocab_size):
@@ -320,9 +328,9 @@ def family_settings_error(c):
     if c['cleanup'] not in ('all', 'mask') or c['temperature'] < 0 or not 0 < c['top_p'] <= 1:
         return (f"cleanup={c['cleanup']!r} must be 'all' or 'mask', temperature={c['temperature']} >= 0 and "
                 f"top_p={c['top_p']} in (0, 1]")
-    if c['eos_fill'] < 0 or c['mask_id'] < -1 or c['chunk_size'] < 0 or c['pad_block_size'] < 1:
-        return (f"eos_fill={c['eos_fill']}, chunk_size={c['chunk_size']} must be >= 0, pad_block_size="
-                f"{c['pad_block_size']} >= 1 and mask_id={c['mask_id']} >= -1 (-1: from meta.json)")
+    if min(c['eos_fill'], c['uniform_warmup'], c['chunk_size']) < 0 or c['mask_id'] < -1 or c['pad_block_size'] < 1:
+        return (f"eos_fill={c['eos_fill']}, uniform_warmup={c['uniform_warmup']}, chunk_size={c['chunk_size']} must "
+                f"be >= 0, pad_block_size={c['pad_block_size']} >= 1 and mask_id={c['mask_id']} >= -1 (-1: from meta.json)")
     return None
 
 # -----------------------------------------------------------------------------
@@ -533,6 +541,7 @@ if __name__ == '__main__':
     uniform_ratio = 0.1  # peak probability of a uniform (changed) token; 0 = MDLM masking
     schedule_shape = 1.0  # sharpness of the uniform bump c(t) = B t^a (1-t)^b, a + b = shape
     schedule_peak = 0.5  # time of the uniform bump's peak
+    uniform_warmup = 1000  # >0: uniform_ratio ramps up linearly over the first this-many steps (ratio_at; README)
     chunk_size = 0  # positions per vocabulary chunk of the loss (0 = auto from the vocab size)
     # optimizer
     learning_rate = 2e-3  # peak AdamW learning rate
@@ -664,9 +673,14 @@ if __name__ == '__main__':
 
     sched = dict(uniform_ratio=uniform_ratio, schedule_shape=schedule_shape, schedule_peak=schedule_peak)
 
-    def get_batch(ds, idx, rows, step, n_rows, fill_to):
+    def sched_at(step):
+        """The forward process trained at optimizer step `step` (uniform_warmup ramps its ratio); the corruption,
+        the loss's posteriors, the eval and the exported meta.json all take theirs from here."""
+        return dict(sched, uniform_ratio=ratio_at(max(step, 0), uniform_ratio, uniform_warmup))
+
+    def get_batch(ds, idx, rows, step, n_rows, fill_to, sched):
         """The micro-batch dict of examples idx (B,) at global rows `rows` (B,) of n_rows: collated (or packed),
-        corrupted with per-row seeds at the row's antithetic time."""
+        corrupted under the schedule `sched` with per-row seeds at the row's antithetic time."""
         times = sample_times(seed, step, rows, n_rows, eps=eps, num_timesteps=num_timesteps)
         return make_batch(ds.examples(idx.tolist()), corruption_seeds(seed, step, rows, n_rows), times, pad_id=pad_id,
                           eos_id=eos_id, mask_id=mask_id, vocab_size=vocab, max_seq_len=max_seq_len,
@@ -790,7 +804,7 @@ if __name__ == '__main__':
                  raw_model, msd, {**meta, 'mask_id': mask_id, 'family': 'scdd', 'sampler': 'scdd',
                                   'gen_length': gen_length, 'steps': steps, 'temperature': temperature,
                                   'top_p': top_p, 'cleanup': cleanup,
-                                  'num_timesteps': num_timesteps, **sched},
+                                  'num_timesteps': num_timesteps, **sched_at(step - 1)},  # the last step's
                  tokenizer)
 
     # -------------------------------------------------------------------------
@@ -807,7 +821,7 @@ if __name__ == '__main__':
         acc_rows.append((ids[:start].tolist(), tokenizer.decode(ids[start:].tolist())))
 
     @torch.no_grad()
-    def accuracy():
+    def accuracy(sched):
         """Exact match of the scdd sampler (eval settings: gen_length, steps, temperature, top_p, cleanup) on the
         first eval_samples val prompts, split over ranks; every rank runs the same number of batches (FSDP lockstep)."""
         per_rank = math.ceil(n_acc / ddp_world_size)
@@ -836,14 +850,15 @@ if __name__ == '__main__':
     def evaluate(step):
         """Val loss (the training loss) and the exact NELBO (the same plus the θ-independent constants: per token,
         comparable with papers) with fixed corruption seeds and times (the same noise at every eval), then
-        exact-match accuracy of the scdd sampler on the first eval_samples val prompts. Runs on every rank; sums are
-        all-reduced."""
+        exact-match accuracy of the scdd sampler on the first eval_samples val prompts, all under the forward
+        process of the last trained step (what meta.json names). Runs on every rank; sums are all-reduced."""
+        sched = mdlm.sched = sched_at(step - 1)
         mdlm.eval()
         tot = torch.zeros(3, device=device, dtype=torch.float64)  # Σ loss, Σ NELBO, Σ supervised tokens
         n_rows = eval_iters * ddp_world_size * batch_size
         for i in range(eval_iters):
             rows = torch.arange(batch_size) + (i * ddp_world_size + ddp_rank) * batch_size
-            mb = get_batch(val_ds, rows % len(val_ds), rows, 0, n_rows, eos_fill)
+            mb = get_batch(val_ds, rows % len(val_ds), rows, 0, n_rows, eos_fill, sched)
             with autocast:
                 ce, _ = train_model(mb['input_ids'].to(device), mb['targets'].to(device), mb['times'].to(device),
                                     mb['scored'].to(device), mb['noise'].to(device),
@@ -856,7 +871,7 @@ if __name__ == '__main__':
         out = {'val_loss': (tot[0] / tot[2].clamp_min(1)).item(),
                'val_nelbo': (tot[1] / tot[2].clamp_min(1)).item()} if eval_iters > 0 else {}  # no batch, no loss
         if n_acc > 0:
-            out['accuracy'] = accuracy()
+            out['accuracy'] = accuracy(sched)
         mdlm.train()
         return out
 
@@ -890,11 +905,12 @@ if __name__ == '__main__':
             group['lr'] = lr
         # collate + corrupt every micro-batch first: the loss denominator is the GLOBAL supervised count
         micro, fill_to = [], fill_length(seed, step, eos_fill)
+        mdlm.sched = sched_at(step)  # this step's forward process: its corruption and the loss's posteriors
         for m in range(grad_accum):
             idx = batch_indices(len(train_ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
                                 world_size=ddp_world_size, grad_accum=grad_accum)
             rows = global_rows(batch_size, micro_step=m, rank=ddp_rank, world_size=ddp_world_size)
-            micro.append(get_batch(train_ds, idx, rows, step, global_batch, fill_to))
+            micro.append(get_batch(train_ds, idx, rows, step, global_batch, fill_to, mdlm.sched))
         counts = torch.tensor([sum(mb['loss_mask'].sum() for mb in micro), sum(mb['noise'].sum() for mb in micro),
                                sum(mb['input_ids'].numel() for mb in micro)], dtype=torch.float64, device=device)
         n_sup, n_noise, n_tok = all_sum(counts).tolist()

@@ -21,6 +21,7 @@ num_timesteps = 1000
 uniform_ratio = 0.1
 schedule_shape = 1.0
 schedule_peak = 0.5
+uniform_warmup = 0  # the reference: the full ratio from step 0 (LLaDA already knows how to unmask)
 chunk_size = 1024  # NeMo's value: positions per vocabulary chunk of the loss (1024 x 126464 fp32 = 0.5 GB each)
 learning_rate = 1e-5
 min_lr = 1e-6

@@ -32,7 +32,7 @@ COMMON = ['--n_layer=2', '--n_head=2', '--n_kv_head=2', '--n_embd=32', '--interm
 FAMILIES = {  # script -> its tiny run's arguments (data_dir and out_dir are added)
     'llada.py': COMMON,
     'ar.py': COMMON,
-    'scdd.py': COMMON,
+    'scdd.py': COMMON + ['--uniform_warmup=0'],  # the paper's forward process from step 0 (no ramp)
     'hybrid.py': COMMON,
     'gemma_bd.py': COMMON,
     'idlm.py': COMMON + ['--init_from=scratch', '--block_length=2'],  # a random causal model: no checkpoint to convert

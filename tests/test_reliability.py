@@ -200,6 +200,7 @@ BAD_SETTINGS = [  # (script, argv, a part of the one-line message); [] = the def
     ('scdd.py', [], None),
     ('scdd.py', ['--cleanup=none'], "cleanup='none' must be 'all' or 'mask'"),
     ('scdd.py', ['--top_p=0'], 'top_p=0.0 in (0, 1]'),
+    ('scdd.py', ['--uniform_warmup=-1'], 'uniform_warmup=-1'),
     ('ar.py', [], None),
     ('ar.py', ['--gen_length=0'], 'gen_length=0 must be > 0'),
     ('ar.py', ['--n_embd=30', '--n_head=2'], 'n_embd=30 must be n_head=2 x an even head size'),

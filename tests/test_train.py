@@ -35,10 +35,13 @@ def ar_target(data_dir, tmp_path_factory):
 
 def extra(script, request, convert=False):
     """The arguments a script needs beyond TINY: dflash.py its target (the tiny ar.py run), its taps and blocks;
-    idlm.py its stride, and with convert=True the tiny ar.py run to convert (else a random causal model)."""
+    idlm.py its stride, and with convert=True the tiny ar.py run to convert (else a random causal model); scdd.py
+    a uniform_warmup short enough to end inside the run."""
     if script == 'idlm.py':
         start = request.getfixturevalue('ar_target') if convert else 'scratch'
         return [f'--init_from={start}', '--block_length=2', '--gen_length=6']
+    if script == 'scdd.py':  # the ramp of uniform noise inside these short runs (the resume test restarts in it)
+        return ['--uniform_warmup=4']
     if script != 'dflash.py':
         return []
     return [f"--target={request.getfixturevalue('ar_target')}", '--target_layer_ids=0,1', '--block_size=4',

@@ -121,6 +121,8 @@ OPTIONS = {  # every sampler option the command line takes: (type, help). A samp
                      'renormalised, in (0, 1] (1 = off; the paper evaluates at 0.9)'),
     'cleanup': (str, "scdd: the final argmax pass over 'all' canvas positions (the official noise removal, +1 NFE) "
                      "or only the 'mask' ones left (none at s = 0: the ancestral sample is kept)"),
+    'corrections': (bool, 'scdd: resample visible tokens from the exact posterior (off: a token is frozen once '
+                          'unmasked, the paper\'s correction ablation; the clean-up still applies)'),
 }
 
 
@@ -463,7 +465,6 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
     threshold, this is sample_llada(threshold=t, steps=steps, early_stop) with '>' for '>='.
     Returns (B, P + gen_length)."""
     need(steps >= 1, f'steps must be >= 1, got {steps}')
-    need(steps >= 1, f"steps must be >= 1, got {steps}")
     check_common(temperature, mask_id, threshold)
     need(max_post_steps >= 0, f'max_post_steps must be >= 0, got {max_post_steps}')
     need(editing_threshold is None or 0 <= editing_threshold <= 1,
@@ -567,11 +568,11 @@ def _corrected(stats, moved):
          trained=('uniform_ratio', 'schedule_shape', 'schedule_peak', 'num_timesteps'),
          report=lambda t: {'corrected/prompt': t.get('corrected', 0) / max(t.get('prompts', 0), 1)},
          preset=dict(gen_length=128, steps=128, temperature=1.0, top_p=1.0, early_stop=False, cleanup='all',
-                     uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000))
+                     corrections=True, uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5, num_timesteps=1000))
 @torch.no_grad()
 def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temperature=1.0, top_p=1.0,
-                early_stop=False, cleanup='all', uniform_ratio=0.1, schedule_shape=1.0, schedule_peak=0.5,
-                num_timesteps=1000, mask_id, eos_id=-1, generator=None, stats=None, callback=None):
+                early_stop=False, cleanup='all', corrections=True, uniform_ratio=0.1, schedule_shape=1.0,
+                schedule_peak=0.5, num_timesteps=1000, mask_id, eos_id=-1, generator=None, stats=None, callback=None):
     """SCDD ancestral sampling (methods.md §1.6, NeMo SCDDSampler): a [MASK] canvas of gen_length after the prompt;
     `steps` steps t -> s down the training grid (t_i = round((steps - i)·T/steps)/T, from 1 to 0). Each step runs
     one forward, x_θ = softmax(logits / temperature) over the non-mask tokens (temperature 0: the one-hot argmax;
@@ -586,6 +587,9 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
     still [MASK] would be set (none are left at s = 0, so the ancestral sample is the answer: NFE = steps). On our
     tiny model 'all' costs accuracy (README: x_θ at visible positions is trained by the correction term only
     until the posterior keeps the token, not to be the argmax).
+    corrections=False: the paper's ablation (rebuttal/correction, `_disable_corrections`): a visible token keeps
+      its value at every ancestral step (the draws are made as with corrections on and the visible ones dropped,
+      so under one seed a [MASK] is released exactly as it would be from the same canvas); the clean-up as chosen.
     uniform_ratio / schedule_shape / schedule_peak / num_timesteps must be the training values (meta.json).
     early_stop: before resampling, a row whose canvas has an EOS with nothing masked before it and whose tokens
       up to it all equal the model's argmax (the clean-up would leave its response as it is) is done and leaves
@@ -652,6 +656,8 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
                                          torch.tensor(grid[i + 1], dtype=torch.float64), K, **sched)
         co = {k: float(v) for k, v in co.items()}
         new = kernels.sample_categorical(scdd.reverse_probs(x_theta(logits), z, co, mask_id), generator)  # (B, G)
+        if not corrections:
+            new = torch.where(z == mask_id, new, z)
         changed = new != z
         _corrected(stats, changed & (z != mask_id))
         r.x[:, P:] = new

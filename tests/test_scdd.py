@@ -354,6 +354,14 @@ def test_sampler_corrects_visible_tokens(tiny, monkeypatch):
     # the --eval count: every visible token moved, from the frames (the first frame is the first step's result)
     moved = sum(int(((b != M) & (b != a)).sum()) for b, a in zip(seen, seen[1:]))
     assert stats['corrected'] == moved >= corrected and stats['prompts'] == 8
+    # the ablation (corrections=False): the same draws, a visible token never moves, so the uniform noise stays
+    frozen, st = [], {}
+    out = sample.sample_scdd(tiny, x, generator=torch.Generator().manual_seed(0), stats=st, cleanup='mask',
+                             corrections=False, callback=lambda canvas, changed: frozen.append(canvas.clone()), **opts)
+    assert torch.equal(frozen[0], seen[0])  # step 1 starts from all [MASK]: identical to the run with corrections
+    for before, after in zip(frozen, frozen[1:]):
+        assert ((before == M) | (before == after)).all()
+    assert st['corrected'] == 0 and not (out[:, 2:] == M).any() and (out[:, 2:] != 7).any()
 
 
 def test_scdd_sampler_rejects_what_does_not_apply():

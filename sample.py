@@ -1232,11 +1232,18 @@ def sampler_options(sampler, meta, overrides):
     """The options of a sampler (a SAMPLERS name or a Sampler): its preset, then the checkpoint's meta.json (the
     sampler's from_meta options when it decodes the checkpoint's family, e.g. the canvas lengths; every preset
     option when meta.json names this sampler: llada2's steps are per block, so llada's do not carry over), then
-    the command line (overrides: only the keys that were given)."""
+    the command line (overrides: only the keys that were given). A sampler forced onto another family (--force)
+    still takes the checkpoint's canvas lengths, the task's answer length, as one block when meta.json has no
+    block_length (an scdd checkpoint decoded by llada: gen 17 -> block 17, not llada's preset 32)."""
     s = SAMPLERS[sampler] if isinstance(sampler, str) else sampler
     same, decodes = meta.get('sampler') == s.name, meta.get('family') in s.families
     opts = dict(s.preset)
     opts.update({k: meta[k] for k in s.preset if k in meta and (same or (decodes and k in s.from_meta))})
+    if not (same or decodes):
+        lengths = {k: meta[k] for k in ('gen_length', 'block_length') if k in meta and k in s.preset}
+        if 'gen_length' in lengths and 'block_length' in s.preset:
+            lengths.setdefault('block_length', lengths['gen_length'])
+        opts.update(lengths)
     opts.update({k: v for k, v in overrides.items() if k in opts})
     return opts
 

@@ -136,6 +136,21 @@ def test_sampler_of_another_family_needs_force(ckpt, capsys):
     assert code == 0 and out.startswith('a -> ') and "warning: sampler 'llada' decodes llada" in err, (out, err)
     assert 'loaded ' in err and '(step unknown)' in err
 
+
+def test_forced_sampler_keeps_the_checkpoints_canvas():
+    # --force: the answer length is the task's, so it carries over (as one block when meta.json has none);
+    # the other options stay the forced sampler's own presets, and the command line still wins
+    scdd_meta = {'family': 'scdd', 'sampler': 'scdd', 'gen_length': 17, 'steps': 17, 'cleanup': 'mask'}
+    opts = sample.sampler_options('llada', scdd_meta, {})
+    assert (opts['gen_length'], opts['block_length']) == (17, 17)
+    assert opts['steps'] == sample.SAMPLERS['llada'].preset['steps']
+    assert sample.sampler_options('llada', scdd_meta, {'block_length': 1})['block_length'] == 1
+    hybrid_meta = {'family': 'hybrid', 'sampler': 'nemotron', 'gen_length': 16, 'block_length': 8}
+    opts = sample.sampler_options('llada', hybrid_meta, {})
+    assert (opts['gen_length'], opts['block_length']) == (16, 8)
+    opts = sample.sampler_options('scdd', {'family': 'llada', 'gen_length': 5, 'block_length': 5}, {})
+    assert opts['gen_length'] == 5 and 'block_length' not in opts
+
 # -----------------------------------------------------------------------------
 # the --eval line, prompts, --show, --infill
 

@@ -1234,7 +1234,7 @@ def sampler_options(sampler, meta, overrides):
     option when meta.json names this sampler: llada2's steps are per block, so llada's do not carry over), then
     the command line (overrides: only the keys that were given). A sampler forced onto another family (--force)
     still takes the checkpoint's canvas lengths, the task's answer length, as one block when meta.json has no
-    block_length (an scdd checkpoint decoded by llada: gen 17 -> block 17, not llada's preset 32)."""
+    block_length (an scdd checkpoint decoded by llada: gen 17 -> block 17, not llada's presets 128 and 128)."""
     s = SAMPLERS[sampler] if isinstance(sampler, str) else sampler
     same, decodes = meta.get('sampler') == s.name, meta.get('family') in s.families
     opts = dict(s.preset)

@@ -187,7 +187,7 @@ BAD_SETTINGS = [  # (script, argv, a part of the one-line message); [] = the def
     ('llada.py', ['--gen_length=10', '--steps=3'], 'steps=3 must be divisible by the number of blocks'),
     ('llada.py', ['--eps=0'], 'eps=0.0 must be in (0, 1)'),
     ('llada.py', ['--n_embd=100', '--n_head=3'], 'n_embd=100 must be n_head=3 x an even head size'),
-    ('llada.py', ['--n_kv_head=3'], 'n_head=4 must be divisible by n_kv_head=3'),
+    ('llada.py', ['--n_kv_head=3'], 'n_head=8 must be divisible by n_kv_head=3'),
     ('llada.py', ['--model_type=gpt2'], "model_type='gpt2' must be 'qwen3' or 'llama'"),
     ('llada.py', ['--batch_size=0'], 'batch_size=0 must be > 0'),
     ('llada.py', ['--learning_rate=0'], 'learning_rate=0.0 must be > 0'),

@@ -333,12 +333,12 @@ def causal_prefix(start, key_valid=None):
 
 
 def block_diffusion(L, block_size, key_valid=None, causal_in_block=False, offset=None):
-    """[x_t | x_0] layout of length 2L (block diffusion training, reference §7 / bd3lms).
-    x_t queries see x_t keys of their own block (and kv <= q if causal_in_block: I-DLM) plus x_0 keys
-    of strictly earlier blocks; x_0 queries see x_0 keys causally (k <= q). Blocks count from position 0
-    of each copy, or from position -offset[b] with offset (B,) long (row b's block of position i is
-    (i + offset[b]) // block_size: hybrid.py's block_origin='response' starts a block at each response).
-    key_valid (B, L) applies to keys of both copies (k mod L).
+    """[x_t | x_0] layout of length 2L (block diffusion training: NeMo AutoModel
+    nemo_automodel/components/attention/idlm_mask.py, kuleshov-group/bd3lms). x_t queries see x_t keys of their own
+    block (and kv <= q if causal_in_block: I-DLM) plus x_0 keys of strictly earlier blocks; x_0 queries see x_0 keys
+    causally (k <= q). Blocks count from position 0 of each copy, or from position -offset[b] with offset (B,) long (row
+    b's block of position i is (i + offset[b]) // block_size: hybrid.py's block_origin='response' starts a block at each
+    response). key_valid (B, L) applies to keys of both copies (k mod L).
     No fully-masked row: the diagonal (x_t[i] -> x_t[i], x_0[i] -> x_0[i]) is always kept."""
     def mask_mod(b, h, q, kv):
         q_xt, k_xt = q < L, kv < L
@@ -355,11 +355,12 @@ def block_diffusion(L, block_size, key_valid=None, causal_in_block=False, offset
 
 
 def gemma_block_diffusion(L, block_size, prefix, resp, sliding_window=0):
-    """DiffusionGemma's training layout (reference §6.3/6.5) as ONE sequence [L clean encoder tokens | R canvas
-    tokens], Q = K = L + R. prefix (B,) long: where each row's response starts (its prompt length); resp (B,) long:
-    its response length (answer + EOS fill; the row's real tokens are [0, prefix + resp), canvas rows j >= resp are
-    padding).
-    Encoder query q < L: causal over the real encoder keys (kv <= q, kv < prefix + resp; sliding_window > 0:
+    """DiffusionGemma's training layout (NeMo AutoModel
+    nemo_automodel/components/models/diffusion_gemma/attention_mask.py) as ONE sequence [L clean encoder tokens | R
+    canvas tokens], Q = K = L + R. prefix (B,) long: where each row's response starts (its prompt length); resp (B,)
+    long: its response length (answer + EOS fill; the row's real tokens are [0, prefix + resp), canvas rows j >= resp
+    are padding). Encoder query q < L: causal over the real encoder keys (kv <= q, kv < prefix + resp; sliding_window >
+    0:
       q - kv < window), never the canvas: exactly the stock causal encoder pass.
     Canvas query L + j (block j // block_size) sees
       encoder key k: the prompt (k < prefix) and the clean response blocks STRICTLY before its own
@@ -387,9 +388,9 @@ def gemma_block_diffusion(L, block_size, prefix, resp, sliding_window=0):
 
 
 def dflash(ctx_len, block_size, anchors, keep=None, causal=False, sliding_window=0):
-    """DFlash drafter layout (reference §8.4): Q = N blocks of block_size, KV = [ctx (C) | blocks].
-    anchors (B, N) long: the context position each block starts at; keep (B, N) bool (False = padding block).
-    A block query at offset `off` sees context keys strictly before its anchor (and with
+    """DFlash drafter layout (NeMo AutoModel nemo_automodel/components/attention/dflash_mask.py): Q = N blocks of
+    block_size, KV = [ctx (C) | blocks]. anchors (B, N) long: the context position each block starts at; keep (B, N)
+    bool (False = padding block). A block query at offset `off` sees context keys strictly before its anchor (and with
     (anchor + off) - k < sliding_window if sliding_window > 0) if keep, plus its own block
     (bidirectional, or offsets <= off if causal).
     No fully-masked row: every query sees its own slot in its own block, whatever keep says."""

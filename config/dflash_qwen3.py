@@ -1,5 +1,5 @@
-# dflash_qwen3: the seeds' DFlash recipe (NeMo AutoModel qwen3_4b_dflash.yaml / the SpecForge Qwen3 demo): a 5-layer
-# block-16 draft for Qwen3-4B, 512 anchors per sequence, flex attention (automatic on CUDA), AdamW lr 6e-4 with
+# dflash_qwen3: NeMo AutoModel's DFlash recipe (NeMo AutoModel qwen3_4b_dflash.yaml / the SpecForge Qwen3 demo): a
+# 5-layer block-16 draft for Qwen3-4B, 512 anchors per sequence, flex attention (automatic on CUDA), AdamW lr 6e-4 with
 # betas (0.9, 0.95), no weight decay, 4 % warmup, cosine to 0.1x, sequences of 3072, 32 sequences per step.
 # Train on the target's own answers: regenerate the chat data first (python dflash.py config/dflash_qwen3.py
 # --target=... --regenerate=data/mychat_regen/train.jsonl --regenerate_input=data/mychat/train.jsonl), then prepare

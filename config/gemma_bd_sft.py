@@ -1,4 +1,4 @@
-# gemma_bd_sft: the seeds' DiffusionGemma SFT recipe (NeMo AutoModel diffusion_gemma_sft.yaml, reference §6.1) in
+# gemma_bd_sft: NeMo AutoModel's DiffusionGemma SFT recipe (diffusion_gemma_sft.yaml) in
 # nanodlm terms, fine-tuning google/diffusiongemma-26B-A4B-it from a local directory.
 # Hardware: 8x H100/H200 80GB+, FSDP2 (encoder layer i and decoder layer i are one shard unit: they share weights),
 # bf16 autocast over fp32 master weights. NeMo also shards the experts (EP=8); nanodlm does not (README).

@@ -1,4 +1,4 @@
-# hybrid_nemotron: the seeds' Nemotron-Labs-Diffusion SFT recipe (NeMo AutoModel nemotron_labs_diffusion_sft.yaml)
+# hybrid_nemotron: NeMo AutoModel's Nemotron-Labs-Diffusion SFT recipe (NeMo AutoModel nemotron_labs_diffusion_sft.yaml)
 # in nanodlm terms, on any local causal checkpoint (Qwen3, Ministral, Llama): the model learns block diffusion on
 # x_t and keeps its next-token head on x_0.
 # Hardware: 8x H100/H200 80GB+, FSDP2, bf16 autocast over fp32 master weights.
@@ -9,7 +9,7 @@
 # Not measured here (no GPU in CI). Recipe values: mask 100, attention blocks of 32, uniform corruption (the recipe's
 # dllm.block_size is unset: one t per row), alpha 0.3, pad_block_size 32, pad_seq_len_divisible 1024, eps 1e-3,
 # blocks tiled from position 0 (NeMo). mask_id 100 is the Nemotron tokenizer's [MASK]: on another backbone use a
-# token id the tokenizer reserves and the data never contains. The seeds' own checkpoint
+# token id the tokenizer reserves and the data never contains. The published checkpoint
 # (nvidia/Nemotron-Labs-Diffusion-8B-Base) builds x_t inside its remote code from `masked_indices`; hybrid.py
 # builds x_t itself and needs only a model whose get_decoder() takes a 4-D mask and position ids (README).
 init_from = '/path/to/model'  # a local directory: nothing is downloaded

@@ -1,5 +1,5 @@
-# idlm_qwen3: the seeds' I-DLM recipe (NeMo AutoModel qwen3_8b_idlm.yaml, "paper Appendix H.1"): convert Qwen3-8B by
-# all-masked fine-tuning, block_length 1 (stage 1 of 1 -> 2 -> 3), α 0.2, lr 1e-5 cosine, warmup 1000, sequences of
+# idlm_qwen3: NeMo AutoModel's I-DLM recipe (NeMo AutoModel qwen3_8b_idlm.yaml, "paper Appendix H.1"): convert Qwen3-8B
+# by all-masked fine-tuning, block_length 1 (stage 1 of 1 -> 2 -> 3), α 0.2, lr 1e-5 cosine, warmup 1000, sequences of
 # 4096, no supervised padding, mask 151669 (a reserved Qwen3 token), sdpa on CPU / flex_attention on CUDA.
 # Launch (stage 1, then 2 and 3 from the previous stage's out_dir; auto-balance at b3):
 #   torchrun --standalone --nproc_per_node=8 idlm.py config/idlm_qwen3.py --init_from=/path/to/Qwen3-8B \

@@ -12,7 +12,7 @@ longest prefix it agrees with plus its own next token, so the output is exactly 
 CPU, the embedded default (a ~0.3M-parameter draft for the tiny ar.py sudoku model; train that target first with
 `python ar.py config/ar_sudoku.py`, ~12 minutes), prints the held-out accuracy and the acceptance length:
     python dflash.py
-1 GPU, a Qwen3-4B target from a local directory (the seeds' recipe):
+1 GPU, a Qwen3-4B target from a local directory (NeMo AutoModel's recipe):
     python dflash.py config/dflash_qwen3.py --target=/path/to/Qwen3-4B --data_dir=data/mychat
 8 GPUs:
     torchrun --standalone --nproc_per_node=8 dflash.py config/dflash_qwen3.py --target=/path/to/Qwen3-4B
@@ -30,12 +30,8 @@ script half under `if __name__ == '__main__':` holds config -> configurator -> d
 training loop. Deliberate differences from the references are listed in the README (dflash.py section).
 """
 import json
-import math
 import os
 import re
-import shutil
-import signal
-import sys
 import time
 
 import torch
@@ -47,23 +43,22 @@ from transformers.models.qwen3.modeling_qwen3 import (Qwen3Config, Qwen3MLP, Qwe
 
 import hf
 import kernels
+from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
+                      save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
+                      resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval, corruption_seeds,
+                      check_mask_id, answer_rows, exact_match, causal_lm_error)
 from data.loader import collate
+
+FAMILY = 'dflash'  # the family's name, in ckpt.pt and meta.json: a resume checks it, sample.py picks the sampler
+MODULE = os.path.basename(__file__)[:-3]  # this file: meta.json records it, sample.py imports its math from it
 
 # -----------------------------------------------------------------------------
 # model
 
-def check_mask_id(mask_id, vocab_size, pad_id=-1, eos_id=-1):
-    """mask_id must be a real embedding row and must not collide with pad/eos (they are trained as content)."""
-    if not (0 <= mask_id < vocab_size):
-        raise ValueError(f'mask_id={mask_id} is outside the vocabulary [0, {vocab_size})')
-    if mask_id in (pad_id, eos_id):
-        raise ValueError(f'mask_id={mask_id} equals the {"pad" if mask_id == pad_id else "eos"} id; pick a dedicated mask token')
-
-
 def default_target_layer_ids(n_target_layers, n_draft_layers):
-    """The target layers whose outputs the draft reads (methods.md §3.1): the middle one for a one-layer draft, else
-    round(1 + i·(L_t - 4)/(n - 1)), an even spread over [1, L_t - 3] (Qwen3-8B, 36 layers, 5 draft layers:
-    [1, 9, 17, 25, 33]). Layer i's output is HF hidden_states[i + 1]."""
+    """The target layers whose outputs the draft reads (DFlash, arXiv 2602.06036; z-lab/dflash dflash/model.py): the
+    middle one for a one-layer draft, else round(1 + i·(L_t - 4)/(n - 1)), an even spread over [1, L_t - 3] (Qwen3-8B,
+    36 layers, 5 draft layers: [1, 9, 17, 25, 33]). Layer i's output is HF hidden_states[i + 1]."""
     if n_draft_layers == 1:
         return [n_target_layers // 2]
     return [round(1 + i * (n_target_layers - 4) / (n_draft_layers - 1)) for i in range(n_draft_layers)]
@@ -218,7 +213,8 @@ class DFlash(nn.Module):
         """The draft's final states (R, N·bs, C) of every block, given the target's features feats (R, S, n·C) of
         x0 (R, S): block n is [x0[a_n], MASK x (bs-1)] at positions a_n..a_n+bs-1 and sees the context strictly
         before a_n plus its own block (kernels.dflash; never the unmasked single-block shortcut of NeMo (A), whose
-        context includes the positions it predicts, reference §13.1)."""
+        context includes the positions it predicts, NeMo AutoModel nemo_automodel/recipes/dllm/strategy.py,
+        DFlashStrategy)."""
         R, S = x0.shape
         N, bs = anchors.shape[1], self.draft.block_size
         block = torch.full((R, N, bs), self.draft.mask_token_id, dtype=torch.long, device=x0.device)
@@ -259,13 +255,6 @@ class DFlash(nn.Module):
 
 # -----------------------------------------------------------------------------
 # anchors (DFlash's "corruption": which blocks a sequence trains)
-
-def corruption_seeds(seed, step, global_rows, global_batch):
-    """One 63-bit seed per row, a pure function of (seed, step, row's place in the global batch): the same rows get
-    the same anchors whatever the world size / accumulation split, and a resumed run replays them (NeMo §2.2)."""
-    idx = step * global_batch + global_rows.long()  # (B,)
-    return (seed + 2**45 + 2654435761 * idx) & (2**63 - 1)
-
 
 def sample_anchors(loss_mask, *, n_blocks, block_size, overlap, seeds):
     """Per row, up to n_blocks anchor positions a (sorted), drawn without replacement from the supervised positions
@@ -344,7 +333,8 @@ def family_settings_error(c):
 def regenerate_answers(target, tokenizer, in_path, out_path, *, pad_id, eos_id, mask_id, max_new_tokens, temperature,
                batch_size, seed, log=print):
     """Re-roll the last (assistant) turn of every record of the chat JSONL in_path with the target (the `ar`
-    sampler, KV-cached, batched, in process: NeMo's regenerate script talks to an SGLang server) into out_path, the same records with the target's answers. Resumable: records
+    sampler, KV-cached, batched, in process: NeMo's regenerate script talks to an SGLang server) into out_path, the
+    same records with the target's answers. Resumable: records
     already in out_path are skipped (a torn last line is dropped first), and batch i always draws from a generator
     seeded (seed, i), so a resumed file equals an uninterrupted one. -> the number of records written now."""
     import sample as sampler_lib
@@ -380,169 +370,6 @@ def regenerate_answers(target, tokenizer, in_path, out_path, *, pad_id, eos_id, 
             os.fsync(f.fileno())
             log(f'regenerated {min(i + batch_size, len(records))}/{len(records)} records into {out_path}')
     return written
-
-# -----------------------------------------------------------------------------
-# skeleton helpers
-# (every family script has this section verbatim: tests/test_family_contract.py compares the copies)
-
-MODEL_KEYS = ('model_type', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'intermediate_size', 'rope_theta')  # shape
-
-
-def get_lr(it, *, learning_rate, min_lr, warmup_iters, lr_decay_iters):
-    """Linear warmup, then cosine decay to min_lr at lr_decay_iters, then flat."""
-    if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
-    if it >= lr_decay_iters:
-        return min_lr
-    ratio = (it - warmup_iters) / max(lr_decay_iters - warmup_iters, 1)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
-
-
-def git_commit():
-    """The source's git commit (+ '-dirty' with uncommitted changes), or '' outside a git checkout."""
-    import subprocess
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        run = lambda *a: subprocess.run(['git', *a], cwd=here, capture_output=True, text=True, timeout=10)
-        head = run('rev-parse', '--short=12', 'HEAD')
-        if head.returncode:
-            return ''
-        dirty = run('status', '--porcelain', '--untracked-files=no').stdout.strip()
-        return head.stdout.strip() + ('-dirty' if dirty else '')
-    except (OSError, subprocess.SubprocessError):
-        return ''
-
-
-def settings_error(c, model_types=('qwen3', 'llama')):
-    """The first bad setting of the resolved config c as one line, or None. Run before any data, model or step, so
-    a bad eval setting cannot surface after hours of training; family_settings_error adds the family's own.
-    model_types: the scratch architectures the family builds (gemma_bd.py: its own)."""
-    import importlib.util
-    for k in ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'learning_rate', 'log_interval', 'max_seq_len',
-              'pad_seq_len_divisible', 'gen_length'):
-        if k in c and not c[k] > 0:
-            return f'{k}={c[k]!r} must be > 0' + (': nothing to train' if k == 'max_iters' else '')
-    for k in ('eval_interval', 'eval_iters', 'eval_samples', 'ckpt_interval', 'ckpt_interval_min', 'warmup_iters',
-              'min_lr', 'weight_decay', 'grad_clip', 'intermediate_size'):
-        if k in c and c[k] < 0:
-            return f'{k}={c[k]!r} must be >= 0'
-    if not (0 <= c['beta1'] < 1 and 0 <= c['beta2'] < 1):
-        return f"beta1={c['beta1']} and beta2={c['beta2']} must be in [0, 1)"
-    if c['init_from'] == 'scratch':  # the shape keys build the model only from scratch
-        if min(c['n_layer'], c['n_head'], c['n_kv_head'], c['n_embd']) < 1:
-            return 'n_layer, n_head, n_kv_head and n_embd must be > 0'
-        if c['n_embd'] % c['n_head'] or c['n_embd'] // c['n_head'] % 2:
-            return f"n_embd={c['n_embd']} must be n_head={c['n_head']} x an even head size (RoPE rotates pairs)"
-        if c['n_head'] % c['n_kv_head']:
-            return f"n_head={c['n_head']} must be divisible by n_kv_head={c['n_kv_head']}"
-        if c['model_type'] not in model_types:
-            return f"model_type={c['model_type']!r} must be " + ' or '.join(map(repr, model_types))
-    if c['dtype'] not in ('auto', 'float32', 'bfloat16'):
-        return f"dtype={c['dtype']!r} must be 'auto', 'float32' or 'bfloat16'"
-    if not re.fullmatch(r'auto|cpu|cuda(:\d+)?', c['device']):
-        return f"device={c['device']!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"
-    if c['device'].startswith('cuda') and int(c['device'][5:] or 0) >= torch.cuda.device_count():
-        return f"device={c['device']!r} but torch {torch.__version__} sees {torch.cuda.device_count()} CUDA devices"
-    if c['wandb_log'] and importlib.util.find_spec('wandb') is None:
-        return 'wandb_log=True but wandb is not installed (pip install wandb, or --wandb_log=False)'
-    return None
-
-
-def resume_error(config, given, saved):
-    """On resume: the first model-shape key set on this run (given: {key: where}) to a value other than the one the
-    checkpoint's model was built with (saved: its config), as one line; None if they agree."""
-    for k in MODEL_KEYS:
-        if k in given and k in saved and config[k] != saved[k]:
-            return (f"{k}={config[k]!r} ({given[k]}) but the checkpoint was trained with {k}={saved[k]!r}; a resumed "
-                    f"run keeps its model: drop {k}, or start over with --init_from=scratch --overwrite=True")
-    return None
-
-
-def lock_out_dir(out_dir):
-    """(open lock file, None) once this process holds out_dir/lock, else (None, one line naming the holder's PID).
-    The kernel drops an flock when its holder exits or is killed, so a lock file left by a dead run is simply taken
-    over. Keep the file open for the run's life."""
-    import fcntl
-    f = open(os.path.join(out_dir, 'lock'), 'a+')
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        pid = f.read().strip() or '?'
-        f.close()
-        return None, f'{out_dir} is in use by another run (PID {pid}); wait for it to end or pick another out_dir'
-    f.truncate(0)
-    f.write(f'{os.getpid()}\n')
-    f.flush()
-    return f, None
-
-
-def die_at(phase, step):
-    """Test hook (tests/test_reliability.py): NANODLM_DIE_AT=<phase> or <phase>:<step> makes this process SIGKILL
-    itself there: 'step' (mid-step), 'save' (ckpt.pt.tmp written), 'renamed' (ckpt.pt replaced), 'export' (hf.tmp
-    written). Unset, it does nothing."""
-    if os.environ.get('NANODLM_DIE_AT') in (phase, f'{phase}:{step}'):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def save_run(out_dir, ckpt, model, state_dict, meta, tokenizer):
-    """out_dir/ckpt.pt, then the HF export out_dir/hf (meta.json records the step), each replaced whole: ckpt.pt.tmp
-    is renamed over ckpt.pt, and a complete hf.tmp over hf (hf -> hf.old, hf.tmp -> hf). A kill at any point leaves
-    a loadable ckpt.pt and a whole hf/, which may be older than ckpt.pt (its meta.json says which step it is); a
-    kill between the two renames leaves hf.old, which the next run puts back."""
-    path, step = os.path.join(out_dir, 'ckpt.pt'), ckpt['step']
-    torch.save(ckpt, path + '.tmp')
-    die_at('save', step)
-    os.replace(path + '.tmp', path)
-    die_at('renamed', step)
-    hf_dir = os.path.join(out_dir, 'hf')
-    tmp, old = hf_dir + '.tmp', hf_dir + '.old'
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict)
-    if hasattr(tokenizer, 'save'):
-        tokenizer.save(tmp)
-    with open(os.path.join(tmp, 'meta.json'), 'w') as f:
-        json.dump({**meta, 'step': step}, f, indent=1)
-    die_at('export', step)
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.isdir(hf_dir):
-        os.replace(hf_dir, old)
-    os.replace(tmp, hf_dir)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load_run(path):
-    """The checkpoint at path (plain tensors), or RuntimeError: one line naming the file and what else is usable."""
-    try:
-        return torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:  # truncated or corrupt: zip, pickle and EOF errors, depending on where the damage is
-        hf_dir = os.path.join(os.path.dirname(path), 'hf')
-        try:
-            with open(os.path.join(hf_dir, 'meta.json')) as f:
-                alt = (f"the last good alternative is {hf_dir} (step {json.load(f)['step']}, weights only, no "
-                       f"optimizer state): --init_from={hf_dir} --overwrite=True")
-        except (OSError, ValueError, KeyError):
-            alt = 'nothing else there is usable: start over with --overwrite=True'
-        raise RuntimeError(f'{path} is truncated or corrupt ({type(e).__name__}); {alt}') from None
-
-
-class StopSignal:
-    """SIGINT/SIGTERM during training: the first sets .signum (the loop saves a checkpoint after the step, then
-    exits 128 + signum); another one more than a second later exits at once (torchrun passes the terminal's Ctrl-C
-    on to its workers, so each sees the first one twice)."""
-
-    def __init__(self):
-        self.signum, self.time = 0, 0.0
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, self)
-
-    def __call__(self, signum, frame):
-        if self.signum and time.time() - self.time > 1:
-            os._exit(128 + signum)
-        if not self.signum:
-            self.signum, self.time = signum, time.time()
-            os.write(2, f'{signal.Signals(signum).name}: saving a checkpoint after this step, then stopping '
-                        f'(send it again to stop at once)\n'.encode())
 
 # -----------------------------------------------------------------------------
 if __name__ == '__main__':
@@ -616,105 +443,43 @@ if __name__ == '__main__':
     if problem:
         configurator.usage_error(problem)  # one line, exit 2, before any data, model or step
 
-    import numpy as np
-    import torch.distributed as dist
-    from contextlib import nullcontext
-    from data.loader import TokenDataset, batch_indices, global_rows
-    from data.prepare import check_prepared, ensure_synthetic
-    from data.synthetic import TASKS
-    from data.tokenizer import load_tokenizer
+    from data.loader import batch_indices, global_rows
     import sample as sampler_lib
 
     # -------------------------------------------------------------------------
     # distributed init
-    ddp = int(os.environ.get('RANK', -1)) != -1  # launched by torchrun?
-    if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if ddp:
-        ddp_rank, ddp_local_rank = int(os.environ['RANK']), int(os.environ['LOCAL_RANK'])
-        ddp_world_size = int(os.environ['WORLD_SIZE'])
-        if device.startswith('cuda'):
-            device = f'cuda:{ddp_local_rank}'
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-    else:
-        ddp_rank, ddp_local_rank, ddp_world_size = 0, 0, 1
+    ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = init_distributed(device)
     master_process = ddp_rank == 0
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-
-    def print0(*a, **k):
-        if master_process:
-            print(*a, **k, flush=True)
-
-    def all_sum(t):
-        if ddp:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-
-    def from_rank0(obj):
-        """rank 0's obj on every rank: the verdict of what only rank 0 checks (out_dir's lock and files)."""
-        if ddp:
-            box = [obj]
-            dist.broadcast_object_list(box, src=0)
-            obj = box[0]
-        return obj
-
-    def finish(code=0):
-        # gloo ranks sometimes abort at interpreter shutdown; tear down explicitly (environment.md)
-        sys.stdout.flush(); sys.stderr.flush()
-        if ddp:
-            dist.destroy_process_group()
-            os._exit(code)
-        sys.exit(code)
-
-    def fail(message, code):
-        """`error: message`, one line on stderr (from rank 0: every rank reaches the same verdict), then exit with
-        code: 2 for a usage error (a bad setting or combination, found before training), 1 for a run-time failure."""
-        if master_process:
-            print(f'error: {message}', file=sys.stderr)
-        finish(code)
-
     if gradient_accumulation_steps % ddp_world_size:
         fail(f'gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be divisible by '
              f'the world size {ddp_world_size}', 2)
     grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
     global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
-
-    if dtype == 'auto':
-        dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
-    autocast = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
-    if device_type == 'cuda':
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    dtype, autocast = precision(dtype, device_type)  # 'auto': bfloat16 autocast on CUDA, float32 on CPU
     torch.manual_seed(seed)  # model init only: the data order (and any corruption) use their own generators
 
     # -------------------------------------------------------------------------
     # data
-    synthetic = not data_dir and dataset in TASKS  # only a named synthetic task is generated, into data/<task>
-    data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
-    if synthetic and master_process:
-        ensure_synthetic(dataset, data_dir, max_seq_len=max_seq_len, seed=0)
-    if ddp:
-        dist.barrier()
     try:  # the target: an ar.py out_dir (its hf/ export) or a HF causal-LM dir
         target_dir = os.path.abspath(sampler_lib.resolve_checkpoint(target))
     except FileNotFoundError as e:
         hint = ' (train it first: python ar.py config/ar_sudoku.py)' if target == 'out-ar-sudoku' else ''
         fail(f'target: {e}{hint}', 2)
-    try:  # prepared, and its sources unchanged since (else one line with the data/prepare.py command to run)
-        target_meta = {}
-        if os.path.isfile(os.path.join(target_dir, 'meta.json')):
+    problem = causal_lm_error(target_dir)  # the target decodes autoregressively: a denoiser would give tau = 0
+    if problem:
+        fail(f'target: {problem}; dflash drafts for an AR target (ar.py, idlm.py or hybrid.py)', 2)
+    target_meta = {}  # the target's meta.json (its tokenizer)
+    if os.path.isfile(os.path.join(target_dir, 'meta.json')):
+        try:
             with open(os.path.join(target_dir, 'meta.json')) as f:
                 target_meta = json.load(f)
-        check_prepared(data_dir, 'byte' if target_meta.get('tokenizer') == 'byte' else target_dir, max_seq_len)
-        train_ds, val_ds = TokenDataset(data_dir, 'train'), TokenDataset(data_dir, 'val')
-        meta = train_ds.meta
-        tokenizer = load_tokenizer(meta)
-    except (OSError, ValueError) as e:
-        fail(str(e), 1 if os.path.isdir(data_dir) else 2)  # a data_dir that does not exist is a bad setting
+        except (OSError, ValueError) as e:
+            fail(f"{os.path.join(target_dir, 'meta.json')}: {e}", 1)
+    data_dir, train_ds, val_ds, meta, tokenizer, text = open_data(
+        dataset, data_dir, max_seq_len, 'byte' if target_meta.get('tokenizer') == 'byte' else target_dir)
     pad_id, eos_id = meta['pad_id'], meta['eos_id']
-    if meta.get('kind') == 'text':
+    if text:
         fail(f'{data_dir} is raw text: dflash trains on chat data (prompts and the answers to draft)', 2)
 
     def get_batch(ds, idx, seeds):
@@ -727,7 +492,8 @@ if __name__ == '__main__':
     # model
     # the frozen target, in the run's dtype (it only runs forward)
     try:
-        target_model = hf.load_pretrained(target_dir, device, ptdtype, trust_remote_code).requires_grad_(False)
+        target_model = hf.load_pretrained(target_dir, device, getattr(torch, dtype), trust_remote_code)
+        target_model.requires_grad_(False)
     except Exception as e:  # a truncated or foreign checkpoint: one line
         fail(f'target {target_dir}: cannot load it as a causal LM: {str(e).strip().splitlines()[0]}', 1)
     vocab = target_model.get_input_embeddings().weight.shape[0]
@@ -748,43 +514,19 @@ if __name__ == '__main__':
                f'data/prepare.py --input_dir={os.path.dirname(regenerate) or "."} --tokenizer=byte '
                f'--max_seq_len={max_seq_len} (with a val.jsonl next to it)')
         finish(0)
-    # out_dir holds one run at a time (a lock for the run's life), and a fresh run never replaces its checkpoint
-    ckpt_path, hf_dir = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'hf')
-    lock, verdict = None, (0, '')  # the lock (an open file, kept until exit); (exit code, message) of rank 0
-    if master_process:
-        os.makedirs(out_dir, exist_ok=True)
-        lock, busy = lock_out_dir(out_dir)
-        if busy:
-            verdict = (1, busy)
-        elif init_from != 'resume' and os.path.exists(ckpt_path) and not overwrite:
-            verdict = (2, f'{ckpt_path} exists: --init_from=resume continues that run, --overwrite=True replaces it')
-        elif not os.path.isdir(hf_dir) and os.path.isdir(hf_dir + '.old'):  # a kill between save_run's renames
-            os.replace(hf_dir + '.old', hf_dir)
-    code, message = from_rank0(verdict)
-    if code:
-        fail(message, code)
+    ckpt_path, hf_dir, lock = claim_out_dir(out_dir, init_from, overwrite)  # one run per out_dir; keep lock open
     start_step, checkpoint, saved = 0, None, None
     if mask_id == -1:
         mask_id = meta.get('mask_id', -1)
     layer_ids = [int(i) for i in target_layer_ids.split(',')] if target_layer_ids else None
     try:
         if init_from == 'resume':
-            if not os.path.exists(ckpt_path):
-                fail(f'init_from=resume but {ckpt_path} does not exist', 1)
-            try:
-                checkpoint = load_run(ckpt_path)
-            except RuntimeError as e:
-                fail(str(e), 1)
-            saved = checkpoint['config']  # the settings it was trained with
-            problem = resume_error(config, given, saved)
-            if problem:
-                fail(problem, 2)
-            if checkpoint['step'] >= max_iters:
-                fail(f"{ckpt_path} is at step {checkpoint['step']} >= max_iters={max_iters}: nothing to train", 2)
+            # the draft's own shape keys too: a resumed draft keeps its block size and target taps
+            checkpoint, saved = load_resume(ckpt_path, FAMILY, config, given,
+                                            shape_keys=('block_size', 'target_layer_ids'))
             if 'mask_id' in given and mask_id != checkpoint['mask_id']:
                 fail(f"mask_id={mask_id} ({given['mask_id']}) but the checkpoint was trained with mask_id="
                      f"{checkpoint['mask_id']}; a resumed draft keeps its [MASK]", 2)
-            config.update({k: saved[k] for k in MODEL_KEYS if k in saved})  # the model it is
             draft = DFlashDraftModel(Qwen3Config(**json.loads(checkpoint['model_args'])))
             draft.load_state_dict(checkpoint['model'])
             start_step = checkpoint['step']
@@ -818,113 +560,68 @@ if __name__ == '__main__':
     gamma = loss_gamma(block_size, loss_decay_gamma)
     draft.to(device)
     raw_model = draft  # the bare draft: state_dict, export, sampling
-    dfl = DFlash(draft, target_model, weights=decay_weights(block_size, gamma).to(device), compiled_ce=compile)
+    net = DFlash(draft, target_model, weights=decay_weights(block_size, gamma).to(device), compiled_ce=compile)
     pair = sampler_lib.Speculative(target_model, draft)  # what the dflash sampler decodes with
     n_params = sum(p.numel() for p in raw_model.parameters())
     print0(f'model: draft {n_params / 1e6:.2f}M parameters ({len(draft.layers)} layers, block {block_size}, gamma '
            f'{gamma:g}, target layers {draft.target_layer_ids}), target {target_dir} '
            f'({sum(p.numel() for p in target_model.parameters()) / 1e6:.2f}M, frozen), vocab {vocab}, mask_id '
-           f'{mask_id}, world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = {global_batch} examples/step')
+           f'{mask_id}, world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = {global_batch} '
+           f'examples/step')
 
     if compile:
         for layer in draft.layers:
             layer.compile()  # in place: state_dict keys keep their names (no _orig_mod.)
-    if ddp and fsdp:
-        from torch.distributed.fsdp import fully_shard
-        for layer in hf.shard_units(raw_model):
-            fully_shard(layer)
-        fully_shard(dfl)  # the root: fc, hidden_norm, final norm
-        train_model = dfl
-    elif ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        train_model = DDP(dfl, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)
-    else:
-        train_model = dfl
-    # the optimizer comes after fully_shard, which swaps parameters for sharded DTensors
-    decay = [p for p in dfl.parameters() if p.dim() >= 2]
-    no_decay = [p for p in dfl.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay},
-                                   {'params': no_decay, 'weight_decay': 0.0}],
-                                  lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
-    if checkpoint is not None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, StateDictOptions
-        set_optimizer_state_dict(dfl, optimizer, checkpoint['optimizer'],
-                                 options=StateDictOptions(full_state_dict=True))
-        torch.set_rng_state(checkpoint['torch_rng'])
+    train_model, fsdp_units = wrap(net, hf.shard_units(raw_model) if fsdp else [], fsdp=fsdp,
+                                   device_type=device_type, local_rank=ddp_local_rank)
+    optimizer = adamw(net, learning_rate=learning_rate, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
+                      device_type=device_type, checkpoint=checkpoint)
     checkpoint = None  # free memory
 
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, StateDictOptions
-    # full (unsharded), name-keyed model + optimizer state: the same format with or without FSDP
-    sd_options = StateDictOptions(full_state_dict=True, cpu_offload=ddp and fsdp)
-
-    def model_state():
-        return get_state_dict(dfl, optimizer, options=sd_options)  # a collective under FSDP: every rank calls it
-
     def save_checkpoint(step, metrics):
-        msd, osd = model_state()
-        msd = {k[len('draft.'):]: v for k, v in msd.items()}  # keys of the bare draft (the public DFlash names)
+        msd, osd = full_state(net, optimizer, prefix='draft.')  # every rank calls it; the draft's public names
         if not master_process:
             return
         # ckpt.pt, then the HF export hf/ (the draft; meta.json names its target, so sample.py finds both)
-        save_run(out_dir, {'model': msd, 'optimizer': osd, 'step': step, 'family': 'dflash',
+        save_run(out_dir, {'model': msd, 'optimizer': osd, 'step': step, 'family': FAMILY,
                            'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
                            'mask_id': mask_id, 'target': target_dir, 'torch_rng': torch.get_rng_state()},
-                 raw_model, msd, {**meta, 'mask_id': mask_id, 'family': 'dflash', 'sampler': 'dflash',
-                                  'gen_length': gen_length, 'block_size': block_size, 'target': target_dir,
-                                  'target_layer_ids': raw_model.target_layer_ids}, tokenizer)
+                 raw_model, msd, {**meta, 'mask_id': mask_id, 'family': FAMILY, 'module': MODULE,
+                                  'sampler': 'dflash', 'gen_length': gen_length, 'block_size': block_size,
+                                  'target': target_dir, 'target_layer_ids': raw_model.target_layer_ids}, tokenizer)
 
     # -------------------------------------------------------------------------
     # eval
     n_acc = min(eval_samples, len(val_ds))
     if eval_iters == 0:
         print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = []  # (prompt ids incl. the assistant header, reference answer text) of the first n_acc val examples
-    for i in range(n_acc):
-        ids, lm = val_ds.example(i)
-        start = int(np.argmax(lm > 0))  # single-turn: the response is the supervised suffix
-        acc_rows.append((ids[:start].tolist(), tokenizer.decode(ids[start:].tolist())))
+    acc_rows = answer_rows(val_ds, n_acc, tokenizer)  # (prompt ids, reference answer) of the first n_acc
 
     @torch.no_grad()
     def accuracy():
-        """Exact match and acceptance of the dflash sampler (greedy: the target's own greedy answers) on the first
-        eval_samples val prompts, split over ranks; every rank runs the same number of batches. Under FSDP every
-        draft unit is gathered for the whole run (ranks accept different lengths, so they run different numbers
-        of draft forwards: no collective may happen inside the sampler)."""
-        per_rank = math.ceil(n_acc / ddp_world_size)
-        mine = [ddp_rank * per_rank + j for j in range(per_rank)]
-        hits = torch.zeros(4, device=device)  # correct, counted, Σ accepted per round, rounds
-        units = hf.shard_units(raw_model) + [dfl] if ddp and fsdp else []
-        for unit in units:
-            unit.set_reshard_after_forward(False)
-            unit.unshard()
-        for s in range(0, per_rank, batch_size):
-            rows = mine[s:s + batch_size]
-            prompts = [acc_rows[min(i, n_acc - 1)][0] for i in rows]
+        """Exact match and acceptance length of the dflash sampler (greedy: the target's own greedy answers) on the
+        first eval_samples val prompts, split over ranks (they accept different lengths: different numbers of
+        draft forwards, so every unit stays gathered for the whole run)."""
+        def decode(prompts):
             st = {}
             with autocast:
                 gen = sampler_lib.generate(pair, prompts, sampler='dflash', mask_id=mask_id, pad_id=pad_id,
                                            eos_id=eos_id, gen_length=gen_length, stats=st)
-            hits[2:] += torch.tensor([st.get('accepted', 0), st.get('rounds', 0)], device=device)
-            for i, g in zip(rows, gen):
-                if i < n_acc:
-                    hits[:2] += torch.tensor([tokenizer.decode(g).strip() == acc_rows[i][1].strip(), 1.0],
-                                             device=device)
-        for unit in units:
-            unit.set_reshard_after_forward(True)
-            unit.reshard()
-        all_sum(hits)
-        return (hits[0] / hits[1].clamp_min(1)).item(), (hits[2] / hits[3].clamp_min(1)).item()
+            return gen, [st.get('accepted', 0), st.get('rounds', 0)]
+        with gathered(fsdp_units):
+            acc, (accepted, rounds) = exact_match(decode, acc_rows, tokenizer, batch_size, device, n_stats=2)
+        return acc, accepted / max(rounds, 1.0)
 
     @torch.no_grad()
     def evaluate(step):
         """Val loss and draft accuracy with fixed anchor seeds (the same blocks at every eval), then exact match
         and acceptance length τ of speculative decoding on the first eval_samples val prompts. Runs on every
         rank; sums are all-reduced."""
-        dfl.eval()
+        net.eval()
         tot = torch.zeros(2 * block_size + 1, device=device)  # Σ w·CE, correct[k], count[k], Σ accept, blocks
         for i in range(eval_iters):
             rows = torch.arange(batch_size) + (i * ddp_world_size + ddp_rank) * batch_size
-            mb = get_batch(val_ds, rows % len(val_ds), corruption_seeds(seed, 0, rows, 1))
+            mb = get_batch(val_ds, rows % len(val_ds), corruption_seeds(seed, 0, rows, 1, stream=3))
             with autocast:
                 ce, st = train_model(*(mb[k].to(device) for k in ('x0', 'key_valid', 'anchors', 'keep', 'loss_mask')))
             tot += torch.cat([ce.float()[None], st])
@@ -937,34 +634,19 @@ if __name__ == '__main__':
                    'accept_len': (tot[-2] / tot[-1].clamp_min(1)).item()}
         if n_acc > 0:
             out['accuracy'], out['tau'] = accuracy()
-        dfl.train()
+        net.train()
         return out
 
     # -------------------------------------------------------------------------
     # training loop
     lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
-    # the resolved values ('auto', -1 and the like replaced by what this run uses), logged and saved with ckpt.pt
-    config.update(device=device, dtype=dtype, mask_id=mask_id, lr_decay_iters=lr_decay_iters, data_dir=data_dir,
-                  target=target_dir, block_size=block_size, loss_decay_gamma=gamma,
-                  target_layer_ids=','.join(map(str, raw_model.target_layer_ids)), world_size=ddp_world_size,
-                  git_commit=git_commit())
-    resumed = ''  # a resumed run: the settings it changes take effect, and are logged
-    if saved is not None:
-        moved = [f'{k} {saved[k]!r} -> {v!r}' for k, v in config.items()
-                 if k in saved and saved[k] != v and k not in ('init_from', 'git_commit')]
-        resumed = f"resume from step {start_step}: {'changed ' + ', '.join(moved) if moved else 'no setting changed'}"
-        print0(resumed)
-    if master_process:
-        log_file = open(os.path.join(out_dir, 'log.txt'), 'a')
-        log_file.write(f'# dflash.py torch {torch.__version__} device {device} world {ddp_world_size}\n'
-                       f'# config {json.dumps(config)}\n' + (f'# {resumed}\n' if resumed else ''))
-    if wandb_log and master_process:
-        import wandb
-        wandb.init(project=wandb_project, name=wandb_run_name, config=config)
-    metrics = {}
-    step = start_step
-    stop = StopSignal()  # SIGINT/SIGTERM: save after the step, then exit
-    t0 = last_save = time.time()
+    resumed = resolve_config(config, saved, start_step, device=device, dtype=dtype, mask_id=mask_id,
+                             lr_decay_iters=lr_decay_iters, data_dir=data_dir, target=target_dir, block_size=block_size,
+                             loss_decay_gamma=gamma, target_layer_ids=','.join(map(str, raw_model.target_layer_ids)),
+                             world_size=ddp_world_size)
+    log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
+    saver = Saver(ckpt_interval, ckpt_interval_min, device)  # periodic saves, and SIGINT/SIGTERM: save, then exit
+    metrics, step, t0 = {}, start_step, time.time()
     while step < max_iters:
         lr = get_lr(step, learning_rate=learning_rate, min_lr=min_lr, warmup_iters=warmup_iters,
                     lr_decay_iters=lr_decay_iters)
@@ -976,7 +658,7 @@ if __name__ == '__main__':
             idx = batch_indices(len(train_ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
                                 world_size=ddp_world_size, grad_accum=grad_accum)
             rows = global_rows(batch_size, micro_step=m, rank=ddp_rank, world_size=ddp_world_size)
-            micro.append(get_batch(train_ds, idx, corruption_seeds(seed, step, rows, global_batch)))
+            micro.append(get_batch(train_ds, idx, corruption_seeds(seed, step, rows, global_batch, stream=3)))
         counts = torch.tensor([sum(mb['predicted'] for mb in micro), sum(mb['x0'].numel() for mb in micro)],
                               dtype=torch.float64, device=device)
         n_pred, n_tok = all_sum(counts).tolist()
@@ -996,13 +678,11 @@ if __name__ == '__main__':
             (loss * ddp_world_size).backward()
             loss_sum += loss.detach().float()
             stat_sum += st
-        grad_norm = torch.nn.utils.clip_grad_norm_(dfl.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+        grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip if grad_clip > 0 else float('inf'))
         all_sum(loss_sum)
         all_sum(stat_sum)
         step_loss = loss_sum[0].item()
-        if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
-            fail(f'non-finite loss {step_loss} / grad_norm {float(grad_norm)} at step {step + 1}; stopping. The last '
-                 f'good checkpoint ({ckpt_path}) is untouched.', 1)
+        check_finite(step_loss, grad_norm, step + 1, ckpt_path)  # one line and exit 1, before the step
         die_at('step', step + 1)  # test hook: a kill mid-step (gradients computed, not applied)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -1020,32 +700,21 @@ if __name__ == '__main__':
             line = (f"step {step} | loss {step_loss:.6f} | grad_norm {metrics['grad_norm']:.4f} | lr {lr:.3e} | "
                     f"draft_acc {metrics['draft_acc']:.3f} | accept_len {metrics['accept_len']:.2f} | "
                     f"sup {int(n_pred)} | tok/s {n_tok / dt:,.0f} | dt {dt*1000:.0f}ms")
-            print0(line)
-            if master_process:
-                log_file.write(line + '\n'); log_file.flush()
-                if wandb_log:
-                    wandb.log(metrics, step=step)
-        # a checkpoint at each eval, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM.
-        # Every rank must take part (a collective under FSDP): rank 0's clock and any rank's signal decide, summed
+            log(line, metrics, step)
+        # a checkpoint at each eval, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM
         is_eval = (eval_interval > 0 and step % eval_interval == 0) or step == max_iters
-        due = (ckpt_interval > 0 and step % ckpt_interval == 0) or \
-            (master_process and ckpt_interval_min > 0 and time.time() - last_save >= 60 * ckpt_interval_min)
-        due, stopping = all_sum(torch.tensor([float(due), float(stop.signum > 0)], device=device)).tolist()
-        if is_eval:
-            ev = evaluate(step)
+        due, stopping = saver.due(step)  # the same verdict on every rank (a save is a collective under FSDP)
+        if is_eval:  # an exception in the eval saves the steps trained first, then stops with one line
+            ev = guarded_eval(evaluate, step, lambda: save_checkpoint(step, metrics), ckpt_path)
             metrics.update(ev)
-            line = f'eval step {step} | ' + (' | '.join(f'{k} {v:.4f}' for k, v in ev.items()) or 'nothing to report')
-            print0(line)
-            if master_process:
-                log_file.write(line + '\n'); log_file.flush()
-                if wandb_log:
-                    wandb.log(ev, step=step)
+            log(eval_line(step, ev), ev, step)
         if is_eval or due or stopping:
             save_checkpoint(step, metrics)
-            t0 = last_save = time.time()
+            saver.saved()
+            t0 = time.time()
         if stopping and step < max_iters:
             print0(f'stopped by a signal after step {step}, saved in {ckpt_path}: --init_from=resume continues')
-            finish(128 + (stop.signum or signal.SIGTERM))
+            finish(saver.exit_code())
     if 'accuracy' in metrics:
         print0(f"acceptance length τ of greedy speculative decoding on {dataset}: {metrics['tau']:.2f} tokens per "
                f"target forward (block {block_size})")

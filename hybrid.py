@@ -6,7 +6,8 @@ One forward over [x_t | x_0] (length 2L, the same position ids for both halves) 
 strictly before it; x_0 is plainly causal. The x_t half predicts each [MASK] in place (same-position labels, no
 shift: the diffusion head), the x_0 half predicts the next token (the AR head); both through the one LM head.
 Corruption masks whole-sequence (llada's t ~ U, block_size = 0) or exactly k = round(m·len) tokens per block
-(m ~ U per block, Gumbel top-k biased toward later positions). Loss (NeMo HybridDiffusionLLMLoss, reference §5):
+(m ~ U per block, Gumbel top-k biased toward later positions). Loss (NeMo AutoModel HybridDiffusionLLMLoss,
+nemo_automodel/components/loss/dllm_loss.py):
     ar_loss_alpha · Σ CE(x_t → x_0)/p over corrupted supervised tokens / #corrupted  +  Σ CE(x_0[i] → x_0[i+1]) / #supervised
 The model stays an ordinary causal LM: KV-cached AR decoding works as is, and block diffusion decodes against the
 same KV cache (sample.py --sampler nemotron). Efficient-DLM arXiv 2512.14067; NVIDIA Nemotron-Labs-Diffusion.
@@ -29,10 +30,6 @@ two-term loss, the nemotron sampler's eval (and the AR mode's).
 import json
 import math
 import os
-import re
-import shutil
-import signal
-import sys
 import time
 
 import torch
@@ -40,25 +37,24 @@ import torch.nn as nn
 
 import hf
 import kernels
+from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
+                      save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
+                      resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval, corruption_seeds,
+                      fill_length, check_mask_id, answer_rows, exact_match, causal_lm_error)
 from data.loader import collate
+
+FAMILY = 'hybrid'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
+MODULE = os.path.basename(__file__)[:-3]  # this file: meta.json records it, sample.py imports the family's math from it
 
 # -----------------------------------------------------------------------------
 # model
-
-def check_mask_id(mask_id, vocab_size, pad_id=-1, eos_id=-1):
-    """mask_id must be a real embedding row and must not collide with pad/eos (they are trained as content)."""
-    if not (0 <= mask_id < vocab_size):
-        raise ValueError(f'mask_id={mask_id} is outside the vocabulary [0, {vocab_size})')
-    if mask_id in (pad_id, eos_id):
-        raise ValueError(f'mask_id={mask_id} equals the {"pad" if mask_id == pad_id else "eos"} id; pick a dedicated mask token')
-
 
 class Hybrid(nn.Module):
     """The causal HF model and both losses in one forward over [x_t | x_0], so DDP/FSDP see a single call per
     micro-step. Returns (Σ weighted diffusion CE, Σ AR CE) and (diffusion hits, AR hits), each a (2,) tensor: the
     two numerators have different global denominators, which the training loop applies.
 
-    The seeds' Nemotron checkpoint does the same inside its remote code: it takes the CLEAN ids plus
+    The published Nemotron-Labs-Diffusion checkpoint does the same inside its remote code: it takes the CLEAN ids plus
     masked_indices, builds x_t with its own mask embedding and returns .logits (x_t) and .causal_logits (x_0).
     Here x_t is built outside (mask_id's embedding row) and any causal HF backbone works; README."""
 
@@ -88,13 +84,6 @@ class Hybrid(nn.Module):
 
 # -----------------------------------------------------------------------------
 # corruption
-
-def corruption_seeds(seed, step, global_rows, global_batch):
-    """One 63-bit seed per row, a pure function of (seed, step, row's place in the global batch): the same tokens get
-    the same noise whatever the world size / accumulation split, and a resumed run replays it (NeMo §2.2)."""
-    idx = step * global_batch + global_rows.long()  # (B,)
-    return (seed + 2**43 + 2654435761 * idx) & (2**63 - 1)
-
 
 def block_offsets(loss_mask, block_size, origin):
     """(B,) long: where each row's block grid starts, as the offset of kernels.block_diffusion (position i is in
@@ -168,16 +157,6 @@ def loss_weights(noise, p):
     return noise.float() / p.clamp_min(1e-8)
 
 
-def fill_length(seed, step, hi):
-    """The canvas every row of a step is EOS-filled to: uniform in [0, hi] from (seed, step), the same on every rank
-    and micro-step (llada.py: trains both tight canvases and ones well past the answer, the EOS after it inside a
-    block included)."""
-    if hi <= 0:
-        return 0
-    g = torch.Generator().manual_seed((seed * 1_000_003 + step + 2**40) & (2**63 - 1))
-    return int(torch.randint(hi + 1, (1,), generator=g))
-
-
 def make_batch(examples, seeds, *, pad_id, eos_id, mask_id, eps, max_seq_len, block_size=0, corruption='blockwise',
                half_life_ratio=0.25, block_origin='absolute', fill_to=0, pad_block_size=1, pad_seq_len_divisible=1,
                supervise_padding=True):
@@ -243,169 +222,6 @@ def family_settings_error(c):
     return None
 
 # -----------------------------------------------------------------------------
-# skeleton helpers
-# (every family script has this section verbatim: tests/test_family_contract.py compares the copies)
-
-MODEL_KEYS = ('model_type', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'intermediate_size', 'rope_theta')  # shape
-
-
-def get_lr(it, *, learning_rate, min_lr, warmup_iters, lr_decay_iters):
-    """Linear warmup, then cosine decay to min_lr at lr_decay_iters, then flat."""
-    if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
-    if it >= lr_decay_iters:
-        return min_lr
-    ratio = (it - warmup_iters) / max(lr_decay_iters - warmup_iters, 1)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
-
-
-def git_commit():
-    """The source's git commit (+ '-dirty' with uncommitted changes), or '' outside a git checkout."""
-    import subprocess
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        run = lambda *a: subprocess.run(['git', *a], cwd=here, capture_output=True, text=True, timeout=10)
-        head = run('rev-parse', '--short=12', 'HEAD')
-        if head.returncode:
-            return ''
-        dirty = run('status', '--porcelain', '--untracked-files=no').stdout.strip()
-        return head.stdout.strip() + ('-dirty' if dirty else '')
-    except (OSError, subprocess.SubprocessError):
-        return ''
-
-
-def settings_error(c, model_types=('qwen3', 'llama')):
-    """The first bad setting of the resolved config c as one line, or None. Run before any data, model or step, so
-    a bad eval setting cannot surface after hours of training; family_settings_error adds the family's own.
-    model_types: the scratch architectures the family builds (gemma_bd.py: its own)."""
-    import importlib.util
-    for k in ('batch_size', 'gradient_accumulation_steps', 'max_iters', 'learning_rate', 'log_interval', 'max_seq_len',
-              'pad_seq_len_divisible', 'gen_length'):
-        if k in c and not c[k] > 0:
-            return f'{k}={c[k]!r} must be > 0' + (': nothing to train' if k == 'max_iters' else '')
-    for k in ('eval_interval', 'eval_iters', 'eval_samples', 'ckpt_interval', 'ckpt_interval_min', 'warmup_iters',
-              'min_lr', 'weight_decay', 'grad_clip', 'intermediate_size'):
-        if k in c and c[k] < 0:
-            return f'{k}={c[k]!r} must be >= 0'
-    if not (0 <= c['beta1'] < 1 and 0 <= c['beta2'] < 1):
-        return f"beta1={c['beta1']} and beta2={c['beta2']} must be in [0, 1)"
-    if c['init_from'] == 'scratch':  # the shape keys build the model only from scratch
-        if min(c['n_layer'], c['n_head'], c['n_kv_head'], c['n_embd']) < 1:
-            return 'n_layer, n_head, n_kv_head and n_embd must be > 0'
-        if c['n_embd'] % c['n_head'] or c['n_embd'] // c['n_head'] % 2:
-            return f"n_embd={c['n_embd']} must be n_head={c['n_head']} x an even head size (RoPE rotates pairs)"
-        if c['n_head'] % c['n_kv_head']:
-            return f"n_head={c['n_head']} must be divisible by n_kv_head={c['n_kv_head']}"
-        if c['model_type'] not in model_types:
-            return f"model_type={c['model_type']!r} must be " + ' or '.join(map(repr, model_types))
-    if c['dtype'] not in ('auto', 'float32', 'bfloat16'):
-        return f"dtype={c['dtype']!r} must be 'auto', 'float32' or 'bfloat16'"
-    if not re.fullmatch(r'auto|cpu|cuda(:\d+)?', c['device']):
-        return f"device={c['device']!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"
-    if c['device'].startswith('cuda') and int(c['device'][5:] or 0) >= torch.cuda.device_count():
-        return f"device={c['device']!r} but torch {torch.__version__} sees {torch.cuda.device_count()} CUDA devices"
-    if c['wandb_log'] and importlib.util.find_spec('wandb') is None:
-        return 'wandb_log=True but wandb is not installed (pip install wandb, or --wandb_log=False)'
-    return None
-
-
-def resume_error(config, given, saved):
-    """On resume: the first model-shape key set on this run (given: {key: where}) to a value other than the one the
-    checkpoint's model was built with (saved: its config), as one line; None if they agree."""
-    for k in MODEL_KEYS:
-        if k in given and k in saved and config[k] != saved[k]:
-            return (f"{k}={config[k]!r} ({given[k]}) but the checkpoint was trained with {k}={saved[k]!r}; a resumed "
-                    f"run keeps its model: drop {k}, or start over with --init_from=scratch --overwrite=True")
-    return None
-
-
-def lock_out_dir(out_dir):
-    """(open lock file, None) once this process holds out_dir/lock, else (None, one line naming the holder's PID).
-    The kernel drops an flock when its holder exits or is killed, so a lock file left by a dead run is simply taken
-    over. Keep the file open for the run's life."""
-    import fcntl
-    f = open(os.path.join(out_dir, 'lock'), 'a+')
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        pid = f.read().strip() or '?'
-        f.close()
-        return None, f'{out_dir} is in use by another run (PID {pid}); wait for it to end or pick another out_dir'
-    f.truncate(0)
-    f.write(f'{os.getpid()}\n')
-    f.flush()
-    return f, None
-
-
-def die_at(phase, step):
-    """Test hook (tests/test_reliability.py): NANODLM_DIE_AT=<phase> or <phase>:<step> makes this process SIGKILL
-    itself there: 'step' (mid-step), 'save' (ckpt.pt.tmp written), 'renamed' (ckpt.pt replaced), 'export' (hf.tmp
-    written). Unset, it does nothing."""
-    if os.environ.get('NANODLM_DIE_AT') in (phase, f'{phase}:{step}'):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def save_run(out_dir, ckpt, model, state_dict, meta, tokenizer):
-    """out_dir/ckpt.pt, then the HF export out_dir/hf (meta.json records the step), each replaced whole: ckpt.pt.tmp
-    is renamed over ckpt.pt, and a complete hf.tmp over hf (hf -> hf.old, hf.tmp -> hf). A kill at any point leaves
-    a loadable ckpt.pt and a whole hf/, which may be older than ckpt.pt (its meta.json says which step it is); a
-    kill between the two renames leaves hf.old, which the next run puts back."""
-    path, step = os.path.join(out_dir, 'ckpt.pt'), ckpt['step']
-    torch.save(ckpt, path + '.tmp')
-    die_at('save', step)
-    os.replace(path + '.tmp', path)
-    die_at('renamed', step)
-    hf_dir = os.path.join(out_dir, 'hf')
-    tmp, old = hf_dir + '.tmp', hf_dir + '.old'
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict)
-    if hasattr(tokenizer, 'save'):
-        tokenizer.save(tmp)
-    with open(os.path.join(tmp, 'meta.json'), 'w') as f:
-        json.dump({**meta, 'step': step}, f, indent=1)
-    die_at('export', step)
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.isdir(hf_dir):
-        os.replace(hf_dir, old)
-    os.replace(tmp, hf_dir)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load_run(path):
-    """The checkpoint at path (plain tensors), or RuntimeError: one line naming the file and what else is usable."""
-    try:
-        return torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:  # truncated or corrupt: zip, pickle and EOF errors, depending on where the damage is
-        hf_dir = os.path.join(os.path.dirname(path), 'hf')
-        try:
-            with open(os.path.join(hf_dir, 'meta.json')) as f:
-                alt = (f"the last good alternative is {hf_dir} (step {json.load(f)['step']}, weights only, no "
-                       f"optimizer state): --init_from={hf_dir} --overwrite=True")
-        except (OSError, ValueError, KeyError):
-            alt = 'nothing else there is usable: start over with --overwrite=True'
-        raise RuntimeError(f'{path} is truncated or corrupt ({type(e).__name__}); {alt}') from None
-
-
-class StopSignal:
-    """SIGINT/SIGTERM during training: the first sets .signum (the loop saves a checkpoint after the step, then
-    exits 128 + signum); another one more than a second later exits at once (torchrun passes the terminal's Ctrl-C
-    on to its workers, so each sees the first one twice)."""
-
-    def __init__(self):
-        self.signum, self.time = 0, 0.0
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, self)
-
-    def __call__(self, signum, frame):
-        if self.signum and time.time() - self.time > 1:
-            os._exit(128 + signum)
-        if not self.signum:
-            self.signum, self.time = signum, time.time()
-            os.write(2, f'{signal.Signals(signum).name}: saving a checkpoint after this step, then stopping '
-                        f'(send it again to stop at once)\n'.encode())
-
-# -----------------------------------------------------------------------------
 if __name__ == '__main__':
     # -------------------------------------------------------------------------
     # config (every key: --key=value or a config/*.py file; `python hybrid.py --help` lists them)
@@ -447,12 +263,13 @@ if __name__ == '__main__':
     eps = 1e-3  # minimum mask probability: p = (1 - eps) * t + eps, per row or (block_size > 0) per block
     block_size = 8  # blocks of the [x_t | x_0] mask and of blockwise corruption (0 = one block: MDLM + an AR head)
     corruption = 'blockwise'  # 'blockwise': exactly round(m * len) [MASK]s per block, m per block (NeMo
-    #                           corrupt_blockwise) | 'uniform': one t per row (llada.py; the seeds' Nemotron recipe)
+    #                           corrupt_blockwise) | 'uniform': one t per row (llada.py; NeMo's Nemotron recipe)
     block_origin = 'response'  # where the block grid starts: 'response' (every response starts a block, as the
     #                            sampler decodes) | 'absolute' (position 0, NeMo); README
     half_life_ratio = 0.25  # blockwise corruption at small m: a slot's weight doubles every half_life_ratio * block_size
     #                         slots toward the block's end
-    ar_loss_alpha = 0.3  # weight of the diffusion term: loss = alpha * L_diff + L_ar (the seeds' recipe: 0.3)
+    ar_loss_alpha = 0.3  # scales the DIFFUSION term despite its name: loss = alpha * L_diff + L_ar (NeMo AutoModel's
+    #                     key and default, kept so its recipe maps one to one)
     # optimizer
     learning_rate = 2e-3  # peak AdamW learning rate
     max_iters = 2000  # optimizer steps
@@ -483,101 +300,27 @@ if __name__ == '__main__':
     if problem:
         configurator.usage_error(problem)  # one line, exit 2, before any data, model or step
 
-    import numpy as np
-    import torch.distributed as dist
-    from contextlib import nullcontext
-    from data.loader import TokenDataset, TextWindows, batch_indices, global_rows
-    from data.prepare import check_prepared, ensure_synthetic
-    from data.synthetic import TASKS
-    from data.tokenizer import load_tokenizer
+    from data.loader import batch_indices, global_rows
     import sample as sampler_lib
 
     # -------------------------------------------------------------------------
     # distributed init
-    ddp = int(os.environ.get('RANK', -1)) != -1  # launched by torchrun?
-    if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if ddp:
-        ddp_rank, ddp_local_rank = int(os.environ['RANK']), int(os.environ['LOCAL_RANK'])
-        ddp_world_size = int(os.environ['WORLD_SIZE'])
-        if device.startswith('cuda'):
-            device = f'cuda:{ddp_local_rank}'
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-    else:
-        ddp_rank, ddp_local_rank, ddp_world_size = 0, 0, 1
+    ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = init_distributed(device)
     master_process = ddp_rank == 0
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-
-    def print0(*a, **k):
-        if master_process:
-            print(*a, **k, flush=True)
-
-    def all_sum(t):
-        if ddp:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-
-    def from_rank0(obj):
-        """rank 0's obj on every rank: the verdict of what only rank 0 checks (out_dir's lock and files)."""
-        if ddp:
-            box = [obj]
-            dist.broadcast_object_list(box, src=0)
-            obj = box[0]
-        return obj
-
-    def finish(code=0):
-        # gloo ranks sometimes abort at interpreter shutdown; tear down explicitly (environment.md)
-        sys.stdout.flush(); sys.stderr.flush()
-        if ddp:
-            dist.destroy_process_group()
-            os._exit(code)
-        sys.exit(code)
-
-    def fail(message, code):
-        """`error: message`, one line on stderr (from rank 0: every rank reaches the same verdict), then exit with
-        code: 2 for a usage error (a bad setting or combination, found before training), 1 for a run-time failure."""
-        if master_process:
-            print(f'error: {message}', file=sys.stderr)
-        finish(code)
-
     if gradient_accumulation_steps % ddp_world_size:
         fail(f'gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be divisible by '
              f'the world size {ddp_world_size}', 2)
     grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
     global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
-
-    if dtype == 'auto':
-        dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
-    autocast = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
-    if device_type == 'cuda':
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    dtype, autocast = precision(dtype, device_type)  # 'auto': bfloat16 autocast on CUDA, float32 on CPU
     torch.manual_seed(seed)  # model init only: the data order (and any corruption) use their own generators
 
     # -------------------------------------------------------------------------
     # data
-    synthetic = not data_dir and dataset in TASKS  # only a named synthetic task is generated, into data/<task>
-    data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
-    if synthetic and master_process:
-        ensure_synthetic(dataset, data_dir, max_seq_len=max_seq_len, seed=0)
-    if ddp:
-        dist.barrier()
-    try:  # prepared, and its sources unchanged since (else one line with the data/prepare.py command to run)
-        check_prepared(data_dir, 'byte' if init_from in ('scratch', 'resume') else init_from, max_seq_len)
-        train_ds, val_ds = TokenDataset(data_dir, 'train'), TokenDataset(data_dir, 'val')
-        meta = train_ds.meta
-        tokenizer = load_tokenizer(meta)
-    except (OSError, ValueError) as e:
-        fail(str(e), 1 if os.path.isdir(data_dir) else 2)  # a data_dir that does not exist is a bad setting
+    data_dir, train_ds, val_ds, meta, tokenizer, text = open_data(
+        dataset, data_dir, max_seq_len, 'byte' if init_from in ('scratch', 'resume') else init_from)
     pad_id, eos_id = meta['pad_id'], meta['eos_id']
-    text = meta.get('kind') == 'text'  # raw text: windows of max_seq_len tokens, every token supervised
-    if text:
-        try:
-            train_ds, val_ds = TextWindows(train_ds, max_seq_len), TextWindows(val_ds, max_seq_len)
-        except ValueError as e:
-            fail(f'{data_dir}: {e}', 1)
 
     def get_batch(ds, idx, seeds, fill_to):
         """The micro-batch dict of examples idx (B,): collated, corrupted with per-row seeds (B,)."""
@@ -595,37 +338,11 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # model
-    # out_dir holds one run at a time (a lock for the run's life), and a fresh run never replaces its checkpoint
-    ckpt_path, hf_dir = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'hf')
-    lock, verdict = None, (0, '')  # the lock (an open file, kept until exit); (exit code, message) of rank 0
-    if master_process:
-        os.makedirs(out_dir, exist_ok=True)
-        lock, busy = lock_out_dir(out_dir)
-        if busy:
-            verdict = (1, busy)
-        elif init_from != 'resume' and os.path.exists(ckpt_path) and not overwrite:
-            verdict = (2, f'{ckpt_path} exists: --init_from=resume continues that run, --overwrite=True replaces it')
-        elif not os.path.isdir(hf_dir) and os.path.isdir(hf_dir + '.old'):  # a kill between save_run's renames
-            os.replace(hf_dir + '.old', hf_dir)
-    code, message = from_rank0(verdict)
-    if code:
-        fail(message, code)
+    ckpt_path, hf_dir, lock = claim_out_dir(out_dir, init_from, overwrite)  # one run per out_dir; keep lock open
     start_step, checkpoint, saved = 0, None, None
     attn_implementation = hf.default_attn_implementation(device)  # flex_attention on CUDA, sdpa on CPU
     if init_from == 'resume':
-        if not os.path.exists(ckpt_path):
-            fail(f'init_from=resume but {ckpt_path} does not exist', 1)
-        try:
-            checkpoint = load_run(ckpt_path)
-        except RuntimeError as e:
-            fail(str(e), 1)
-        saved = checkpoint['config']  # the settings it was trained with
-        problem = resume_error(config, given, saved)
-        if problem:
-            fail(problem, 2)
-        if checkpoint['step'] >= max_iters:
-            fail(f"{ckpt_path} is at step {checkpoint['step']} >= max_iters={max_iters}: nothing to train", 2)
-        config.update({k: saved[k] for k in MODEL_KEYS if k in saved})  # the model it is
+        checkpoint, saved = load_resume(ckpt_path, FAMILY, config, given)
         hf_config = json.loads(checkpoint['model_args'])
         if 'auto_map' in hf_config:  # remote-code model: its code travels with the HF export
             model = hf.build_model(hf_dir, trust_remote_code=trust_remote_code,
@@ -635,6 +352,9 @@ if __name__ == '__main__':
         model.load_state_dict(checkpoint['model'])
         start_step = checkpoint['step']
     else:
+        problem = init_from != 'scratch' and causal_lm_error(init_from)  # one causal model does both modes
+        if problem:
+            fail(f'init_from: {problem}; hybrid.py starts from a causal LM (ar.py, idlm.py or a HF causal LM)', 2)
         try:
             model = hf.build_model(init_from, vocab_size=meta['vocab_size'], model_type=model_type, n_layer=n_layer,
                                    n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
@@ -655,54 +375,28 @@ if __name__ == '__main__':
     model.to(device)
     raw_model = model  # the bare HF model: state_dict, export, sampling
     softcap = float(getattr(model.config, 'final_logit_softcapping', None) or 0.0)
-    hybrid = Hybrid(model, softcap=softcap, compiled_ce=compile)  # the module that DDP/FSDP wrap
+    net = Hybrid(model, softcap=softcap, compiled_ce=compile)  # model + loss: the one module DDP/FSDP wrap
     n_params = sum(p.numel() for p in raw_model.parameters())
     print0(f'model: {n_params / 1e6:.2f}M parameters, vocab {vocab}, mask_id {mask_id}, '
            f'world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = {global_batch} examples/step')
 
     if compile:
         raw_model.get_decoder().compile()  # in place: state_dict keys keep their names (no _orig_mod.)
-    if ddp and fsdp:
-        from torch.distributed.fsdp import fully_shard
-        for layer in hf.shard_units(raw_model):
-            fully_shard(layer)
-        fully_shard(hybrid)  # the root: embeddings, final norm and the (tied) LM head
-        train_model = hybrid
-    elif ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        train_model = DDP(hybrid, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)
-    else:
-        train_model = hybrid
-    # the optimizer comes after fully_shard, which swaps parameters for sharded DTensors
-    decay = [p for p in hybrid.parameters() if p.dim() >= 2]
-    no_decay = [p for p in hybrid.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay},
-                                   {'params': no_decay, 'weight_decay': 0.0}],
-                                  lr=learning_rate, betas=(beta1, beta2), fused=device_type == 'cuda')
-    if checkpoint is not None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, StateDictOptions
-        set_optimizer_state_dict(hybrid, optimizer, checkpoint['optimizer'],
-                                 options=StateDictOptions(full_state_dict=True))
-        torch.set_rng_state(checkpoint['torch_rng'])
+    train_model, fsdp_units = wrap(net, hf.shard_units(raw_model) if fsdp else [], fsdp=fsdp,
+                                   device_type=device_type, local_rank=ddp_local_rank)
+    optimizer = adamw(net, learning_rate=learning_rate, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
+                      device_type=device_type, checkpoint=checkpoint)
     checkpoint = None  # free memory
 
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, StateDictOptions
-    # full (unsharded), name-keyed model + optimizer state: the same format with or without FSDP
-    sd_options = StateDictOptions(full_state_dict=True, cpu_offload=ddp and fsdp)
-
-    def model_state():
-        return get_state_dict(hybrid, optimizer, options=sd_options)  # a collective under FSDP: every rank calls it
-
     def save_checkpoint(step, metrics):
-        msd, osd = model_state()
-        msd = {k[len('model.'):]: v for k, v in msd.items()}  # keys of the bare HF model
+        msd, osd = full_state(net, optimizer, prefix='model.')  # every rank calls it; keys of the bare HF model
         if not master_process:
             return
         # ckpt.pt, then the HF export hf/ (plain transformers loads it; sample.py --checkpoint out_dir uses it)
-        save_run(out_dir, {'model': msd, 'optimizer': osd, 'step': step, 'family': 'hybrid',
+        save_run(out_dir, {'model': msd, 'optimizer': osd, 'step': step, 'family': FAMILY,
                            'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
                            'mask_id': mask_id, 'torch_rng': torch.get_rng_state()},
-                 raw_model, msd, {**meta, 'mask_id': mask_id, 'family': 'hybrid', 'sampler': 'nemotron',
+                 raw_model, msd, {**meta, 'mask_id': mask_id, 'family': FAMILY, 'module': MODULE, 'sampler': 'nemotron',
                                   'gen_length': gen_length, 'block_length': eval_block, 'steps': steps,
                                   'threshold': threshold, 'block_size': block_size, 'block_origin': block_origin},
                  tokenizer)
@@ -714,51 +408,31 @@ if __name__ == '__main__':
         print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
     if eval_iters == 0:
         print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = []  # (prompt ids incl. the assistant header, reference answer text) of the first n_acc val examples
-    for i in range(n_acc):
-        ids, lm = val_ds.example(i)
-        start = int(np.argmax(lm > 0))  # single-turn: the response is the supervised suffix
-        acc_rows.append((ids[:start].tolist(), tokenizer.decode(ids[start:].tolist())))
+    acc_rows = answer_rows(val_ds, n_acc, tokenizer)  # (prompt ids, reference answer) of the first n_acc
 
     eval_block = block_length or block_size or gen_length  # the nemotron sampler's block length
-    # FSDP2 all-gathers every layer's weights at each forward, so every rank must run the same number: under FSDP
-    # the eval decodes in lockstep (the even schedule, no early stop), which can score differently from threshold
-    # decoding; sample.py --checkpoint out_dir reports the threshold run
-    lockstep = ddp and fsdp
-    sampler_opts = {'diffusion': dict(gen_length=gen_length, block_length=eval_block, steps=steps,
-                                      threshold=0.0 if lockstep else threshold, early_stop=not lockstep),
-                    'ar': dict(gen_length=gen_length, mode='ar', early_stop=not lockstep)}
+    sampler_opts = {'diffusion': dict(gen_length=gen_length, block_length=eval_block, steps=steps, threshold=threshold,
+                                      early_stop=True),
+                    'ar': dict(gen_length=gen_length, mode='ar', early_stop=True)}
 
     @torch.no_grad()
     def accuracy(mode):
         """Exact match of the nemotron sampler in `mode` ('diffusion': block diffusion with the KV cache, the eval
         settings, greedy; 'ar': KV-cached next-token decoding) on the first eval_samples val prompts, split over
-        ranks; every rank runs the same number of batches (FSDP lockstep)."""
-        per_rank = math.ceil(n_acc / ddp_world_size)
-        mine = [ddp_rank * per_rank + j for j in range(per_rank)]
-        hits = torch.zeros(2, device=device)  # correct, counted
-        if ddp and fsdp:
-            hybrid.unshard()  # gather the root's parameters (embeddings, norm, head): the sampler calls raw_model
-        for s in range(0, per_rank, batch_size):
-            rows = mine[s:s + batch_size]
-            prompts = [acc_rows[min(i, n_acc - 1)][0] for i in rows]
+        ranks."""
+        def decode(prompts):
             with autocast:
-                gen = sampler_lib.generate(raw_model, prompts, sampler='nemotron', mask_id=mask_id, pad_id=pad_id,
-                                           eos_id=eos_id, **sampler_opts[mode])
-            for i, g in zip(rows, gen):
-                if i < n_acc:
-                    hits += torch.tensor([tokenizer.decode(g).strip() == acc_rows[i][1].strip(), 1.0], device=device)
-        if ddp and fsdp:
-            hybrid.reshard()
-        all_sum(hits)
-        return (hits[0] / hits[1].clamp_min(1)).item()
+                return sampler_lib.generate(raw_model, prompts, sampler='nemotron', mask_id=mask_id, pad_id=pad_id,
+                                            eos_id=eos_id, **sampler_opts[mode]), []
+        with gathered(fsdp_units):  # the sampler calls raw_model: every weight whole, no collective inside
+            return exact_match(decode, acc_rows, tokenizer, batch_size, device)[0]
 
     @torch.no_grad()
     def evaluate(step):
         """Val loss (and its two terms) with fixed corruption seeds (the same noise at every eval), then exact-match
         accuracy on the first eval_samples val prompts, in diffusion mode and in AR mode. Runs on every rank; sums
         are all-reduced."""
-        hybrid.eval()
+        net.eval()
         tot = torch.zeros(4, device=device)  # Σ diffusion CE, Σ AR CE, Σ corrupted, Σ supervised
         for i in range(eval_iters):
             rows = torch.arange(batch_size) + (i * ddp_world_size + ddp_rank) * batch_size
@@ -774,32 +448,18 @@ if __name__ == '__main__':
         if n_acc > 0:
             out['accuracy'] = accuracy('diffusion')
             out['accuracy_ar'] = accuracy('ar')
-        hybrid.train()
+        net.train()
         return out
 
     # -------------------------------------------------------------------------
     # training loop
     lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
-    # the resolved values ('auto', -1 and the like replaced by what this run uses), logged and saved with ckpt.pt
-    config.update(device=device, dtype=dtype, mask_id=mask_id, lr_decay_iters=lr_decay_iters, data_dir=data_dir,
-                  attn_implementation=attn_implementation, world_size=ddp_world_size, git_commit=git_commit())
-    resumed = ''  # a resumed run: the settings it changes take effect, and are logged
-    if saved is not None:
-        moved = [f'{k} {saved[k]!r} -> {v!r}' for k, v in config.items()
-                 if k in saved and saved[k] != v and k not in ('init_from', 'git_commit')]
-        resumed = f"resume from step {start_step}: {'changed ' + ', '.join(moved) if moved else 'no setting changed'}"
-        print0(resumed)
-    if master_process:
-        log_file = open(os.path.join(out_dir, 'log.txt'), 'a')
-        log_file.write(f'# hybrid.py torch {torch.__version__} device {device} world {ddp_world_size}\n'
-                       f'# config {json.dumps(config)}\n' + (f'# {resumed}\n' if resumed else ''))
-    if wandb_log and master_process:
-        import wandb
-        wandb.init(project=wandb_project, name=wandb_run_name, config=config)
-    metrics = {}
-    step = start_step
-    stop = StopSignal()  # SIGINT/SIGTERM: save after the step, then exit
-    t0 = last_save = time.time()
+    resumed = resolve_config(config, saved, start_step, device=device, dtype=dtype, mask_id=mask_id,
+                             lr_decay_iters=lr_decay_iters, data_dir=data_dir, attn_implementation=attn_implementation,
+                             world_size=ddp_world_size)
+    log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
+    saver = Saver(ckpt_interval, ckpt_interval_min, device)  # periodic saves, and SIGINT/SIGTERM: save, then exit
+    metrics, step, t0 = {}, start_step, time.time()
     while step < max_iters:
         lr = get_lr(step, learning_rate=learning_rate, min_lr=min_lr, warmup_iters=warmup_iters,
                     lr_decay_iters=lr_decay_iters)
@@ -831,12 +491,10 @@ if __name__ == '__main__':
             # DDP/FSDP average gradients over ranks; the loss is already a global mean, so undo the 1/world
             (loss * ddp_world_size).backward()
             loss_sum += torch.cat([torch.stack([loss, diff, ar]).detach().float(), n_correct.float()])
-        grad_norm = torch.nn.utils.clip_grad_norm_(hybrid.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+        grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip if grad_clip > 0 else float('inf'))
         all_sum(loss_sum)
         step_loss = loss_sum[0].item()
-        if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
-            fail(f'non-finite loss {step_loss} / grad_norm {float(grad_norm)} at step {step + 1}; stopping. The last '
-                 f'good checkpoint ({ckpt_path}) is untouched.', 1)
+        check_finite(step_loss, grad_norm, step + 1, ckpt_path)  # one line and exit 1, before the step
         die_at('step', step + 1)  # test hook: a kill mid-step (gradients computed, not applied)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -851,32 +509,21 @@ if __name__ == '__main__':
             line = (f"step {step} | loss {step_loss:.6f} | grad_norm {metrics['grad_norm']:.4f} | lr {lr:.3e} | "
                     f"diff_loss {d_sum:.4f} | ar_loss {a_sum:.4f} | diff_acc {metrics['diff_acc']:.3f} | "
                     f"ar_acc {metrics['ar_acc']:.3f} | sup {int(n_sup)} | tok/s {n_tok / dt:,.0f} | dt {dt*1000:.0f}ms")
-            print0(line)
-            if master_process:
-                log_file.write(line + '\n'); log_file.flush()
-                if wandb_log:
-                    wandb.log(metrics, step=step)
-        # a checkpoint at each eval, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM.
-        # Every rank must take part (a collective under FSDP): rank 0's clock and any rank's signal decide, summed
+            log(line, metrics, step)
+        # a checkpoint at each eval, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM
         is_eval = (eval_interval > 0 and step % eval_interval == 0) or step == max_iters
-        due = (ckpt_interval > 0 and step % ckpt_interval == 0) or \
-            (master_process and ckpt_interval_min > 0 and time.time() - last_save >= 60 * ckpt_interval_min)
-        due, stopping = all_sum(torch.tensor([float(due), float(stop.signum > 0)], device=device)).tolist()
-        if is_eval:
-            ev = evaluate(step)
+        due, stopping = saver.due(step)  # the same verdict on every rank (a save is a collective under FSDP)
+        if is_eval:  # an exception in the eval saves the steps trained first, then stops with one line
+            ev = guarded_eval(evaluate, step, lambda: save_checkpoint(step, metrics), ckpt_path)
             metrics.update(ev)
-            line = f'eval step {step} | ' + (' | '.join(f'{k} {v:.4f}' for k, v in ev.items()) or 'nothing to report')
-            print0(line)
-            if master_process:
-                log_file.write(line + '\n'); log_file.flush()
-                if wandb_log:
-                    wandb.log(ev, step=step)
+            log(eval_line(step, ev), ev, step)
         if is_eval or due or stopping:
             save_checkpoint(step, metrics)
-            t0 = last_save = time.time()
+            saver.saved()
+            t0 = time.time()
         if stopping and step < max_iters:
             print0(f'stopped by a signal after step {step}, saved in {ckpt_path}: --init_from=resume continues')
-            finish(128 + (stop.signum or signal.SIGTERM))
+            finish(saver.exit_code())
     if 'accuracy' in metrics:
         print0(f"AR mode (the same checkpoint): held-out exact-match accuracy on {dataset}: "
                f"{100 * metrics['accuracy_ar']:.1f}%")

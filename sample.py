@@ -33,9 +33,11 @@ import argparse
 import collections
 import functools
 import glob
+import importlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -45,6 +47,8 @@ import torch
 
 import hf
 import kernels
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
 # the registry: what each sampler declares
@@ -61,6 +65,10 @@ class Sampler(NamedTuple):
     show: bool = True  # it takes callback= (--show)
     report: Callable = None  # summed stats -> {'field': value}: extra --eval fields after the common ones
     trained: tuple = ()  # options that describe how the checkpoint was trained (meta.json): a different value warns
+    family: str = ''  # the family script whose math the sampler calls (passed as family=, a module): meta.json's
+    #                   'module' when the checkpoint is that family's or a fork's, so a fork samples with its own math
+    load: Callable = None  # (hf_dir, meta, device, dtype, trust_remote_code) -> the model, when a checkpoint this
+    #                        sampler decodes is more than one HF model (dflash: the draft and its target)
 
     def __call__(self, *args, **kw):
         return self.fn(*args, **kw)
@@ -401,11 +409,12 @@ def sample_llada(model, x, *, prompt_mask=None, gen_length=128, steps=128, block
 def infill_llada(model, x, *, prompt_mask=None, steps=128, block_length=0, temperature=0.0,
                  remasking='low_confidence', threshold=None, mask_id, eos_id=-1, generator=None, stats=None,
                  callback=None):
-    """Infill (NeMo DLLMSampler.infill, reference §10.6): fill the [MASK] tokens already inside x (B, T), keep every
-    other token. Blocks of block_length (0 = the whole row) tile each row from its first real token (row-relative,
-    so left padding does not move them), semi-autoregressively; ceil(steps / n_blocks) steps per block, the block's
-    masks spread evenly over them (steps that would commit nothing in any row are skipped: one sync per block);
-    commit rule as sample_llada (schedule, or threshold). No EOS logic, no new tokens: returns (B, T)."""
+    """Infill (NeMo AutoModel DLLMSampler.infill, examples/dllm_generate/utils.py): fill the [MASK] tokens already
+    inside x (B, T), keep every other token. Blocks of block_length (0 = the whole row) tile each row from its first
+    real token (row-relative, so left padding does not move them), semi-autoregressively; ceil(steps / n_blocks) steps
+    per block, the block's masks spread evenly over them (steps that would commit nothing in any row are skipped: one
+    sync per block); commit rule as sample_llada (schedule, or threshold). No EOS logic, no new tokens: returns (B,
+    T)."""
     need(steps >= 1 and block_length >= 0, f'steps must be >= 1 and block_length >= 0, got {steps}, {block_length}')
     check_common(temperature, mask_id, threshold, remasking)
     threshold = threshold or None
@@ -444,8 +453,8 @@ def infill_llada(model, x, *, prompt_mask=None, steps=128, block_length=0, tempe
 def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block_length=32, temperature=0.0,
                   threshold=0.5, editing_threshold=None, max_post_steps=16, early_stop=True, mask_id, eos_id=-1,
                   generator=None, stats=None, callback=None):
-    """LLaDA2.0 block refinement with LLaDA2.1 token editing (methods.md §4.3-4.4; diffusers pipeline_llada2 +
-    sglang LowConfidence / JointThreshold), on any masked-diffusion checkpoint.
+    """LLaDA2.0 block refinement with LLaDA2.1 token editing (LLaDA2.0/2.1, arXiv 2602.08676; diffusers pipeline_llada2
+    + sglang LowConfidence / JointThreshold), on any masked-diffusion checkpoint.
 
     Blocks of block_length after the prompt, one at a time; a step forwards the canvas up to the end of the
     current block (as LLaDA2: future blocks are not in the window) with bidirectional attention over it (our
@@ -564,7 +573,7 @@ def _corrected(stats, moved):
         stats['corrected'] = stats.get('corrected', 0) + int(moved.sum())
 
 
-@sampler('scdd', families=('scdd',), from_meta=('gen_length',),
+@sampler('scdd', families=('scdd',), from_meta=('gen_length',), family='scdd',
          trained=('uniform_ratio', 'schedule_shape', 'schedule_peak', 'num_timesteps'),
          report=lambda t: {'corrected/prompt': t.get('corrected', 0) / max(t.get('prompts', 0), 1)},
          preset=dict(gen_length=128, steps=128, temperature=1.0, top_p=1.0, early_stop=False, cleanup='all',
@@ -572,12 +581,14 @@ def _corrected(stats, moved):
 @torch.no_grad()
 def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temperature=1.0, top_p=1.0,
                 early_stop=False, cleanup='all', corrections=True, uniform_ratio=0.1, schedule_shape=1.0,
-                schedule_peak=0.5, num_timesteps=1000, mask_id, eos_id=-1, generator=None, stats=None, callback=None):
-    """SCDD ancestral sampling (methods.md §1.6, NeMo SCDDSampler): a [MASK] canvas of gen_length after the prompt;
-    `steps` steps t -> s down the training grid (t_i = round((steps - i)·T/steps)/T, from 1 to 0). Each step runs
-    one forward, x_θ = softmax(logits / temperature) over the non-mask tokens (temperature 0: the one-hot argmax;
-    top_p < 1: cut to its nucleus and renormalised, as the paper's eval at 0.9), and resamples EVERY canvas
-    position from the exact posterior with x_θ for x (scdd.posterior_coefficients):
+                schedule_peak=0.5, num_timesteps=1000, mask_id, eos_id=-1, generator=None, stats=None, callback=None,
+                family=None):
+    """SCDD ancestral sampling (SCDD, arXiv 2603.02230; laaaarrywang/Self-Correcting-Discrete-Diffusion diffusion.py
+    _sample / _scdd_update; NeMo SCDDSampler): a [MASK] canvas of gen_length after the prompt; `steps` steps t -> s down
+    the training grid (t_i = round((steps - i)·T/steps)/T, from 1 to 0). Each step runs one forward, x_θ =
+    softmax(logits / temperature) over the non-mask tokens (temperature 0: the one-hot argmax; top_p < 1: cut to its
+    nucleus and renormalised, as the paper's eval at 0.9), and resamples EVERY canvas position from the exact posterior
+    with x_θ for x (scdd.posterior_coefficients):
       [MASK]:      z != m: Ct·(A + Bc·x_θ(z)),  m: Mt (it may stay masked)
       visible v:   (C + D·δ_zv)·(A + Bc·x_θ(z)) / (Ut + At·x_θ(v)),  m: 0 (a visible token may be corrected,
                    never re-masked)
@@ -597,8 +608,10 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
       every step and the clean-up.
     stats: also 'corrected' (visible tokens moved to another token: the self-correction at work, the --eval
     line's corrected/prompt) and 'prompts'.
+    family: the module with the forward process's math (posterior_coefficients, reverse_probs, schedule_error):
+      scdd.py's, or a fork's (sample.py passes the module meta.json names; scdd.py's eval passes itself).
     Returns (B, P + gen_length)."""
-    import scdd
+    scdd = family or importlib.import_module('scdd')
     check_common(temperature, mask_id)
     need(cleanup in ('all', 'mask'), f"cleanup must be 'all' or 'mask', got {cleanup!r}")
     need(0 < top_p <= 1, f'top_p must be in (0, 1], got {top_p}')
@@ -674,8 +687,8 @@ def sample_nemotron(model, x, *, prompt_mask=None, gen_length=128, block_length=
                     threshold=0.9, early_stop=True, mode='diffusion', cache='prefix', mask_id, eos_id=-1,
                     generator=None, stats=None, callback=None):
     """Nemotron-Labs-Diffusion decoding of a hybrid (hybrid.py) checkpoint: block diffusion against an exact KV
-    cache (methods.md §5.1 generate_dllm, reference §10.5), or mode='ar': plain KV-cached AR decoding (sample_ar)
-    of the same causal model.
+    cache (Megatron-Bridge diffusion/common/dllm.py generate_dllm), or mode='ar': plain KV-cached AR decoding
+    (sample_ar) of the same causal model.
 
     Blocks of block_length after the prompt, one at a time. Each block starts with one CAUSAL forward: the prompt
     (the prefill) or the previous block, appending its K/V to the cache; its last logits commit the block's first
@@ -786,7 +799,7 @@ def sample_gemma(model, x, *, prompt_mask=None, gen_length=256, block_length=256
                  entropy_bound=0.1, confidence_threshold=0.005, stability_threshold=1, adaptive_stop=True,
                  self_conditioning=True, early_stop=True, mask_id=-1, eos_id=-1, generator=None, stats=None,
                  callback=None):
-    """DiffusionGemma's entropy-bounded block sampler (methods.md §5.2; transformers' EntropyBoundSampler and
+    """DiffusionGemma's entropy-bounded block sampler (transformers' DiffusionGemma EntropyBoundSampler and
     StableAndConfidentStoppingCriteria) for a gemma_bd.py / DiffusionGemmaForBlockDiffusion checkpoint.
 
     Canvases of block_length (the model's canvas_length) after the prompt, one at a time. The causal encoder pass
@@ -892,13 +905,14 @@ def pick_tokens(logits, temperature, generator, mask_id):
     return tok
 
 
-@sampler('dflash', families=('dflash',), from_meta=('gen_length',),
+@sampler('dflash', families=('dflash',), from_meta=('gen_length',), load=lambda *a: load_dflash(*a),
          report=lambda t: {'tau': t.get('accepted', 0) / max(t.get('rounds', 0), 1)},
          preset=dict(gen_length=128, temperature=0.0))
 @torch.no_grad()
 def sample_dflash(model, x, *, prompt_mask=None, gen_length=128, temperature=0.0, mask_id=-1, eos_id=-1,
                   generator=None, stats=None, callback=None):
-    """DFlash speculative decoding (methods.md §3.3, z-lab dflash_generate), batched: model is a Speculative pair.
+    """DFlash speculative decoding (DFlash, arXiv 2602.06036; z-lab/dflash dflash/model.py dflash_generate), batched:
+    model is a Speculative pair.
 
     Prefill the target on the prompts (KV cache, tapped features); its next token is the first anchor. Each round,
     for every row still decoding:
@@ -988,8 +1002,9 @@ def sample_dflash(model, x, *, prompt_mask=None, gen_length=128, temperature=0.0
 @torch.no_grad()
 def sample_idlm(model, x, *, prompt_mask=None, gen_length=256, block_length=3, temperature=0.0, mode='isd',
                 threshold=0.9, mask_id, eos_id=-1, generator=None, stats=None, callback=None):
-    """I-DLM's introspective strided decoding (ISD; methods.md §2.5, the reference's idlm_blockN), batched, for a
-    model converted by idlm.py (a plain causal LM whose [MASK] positions were trained to predict ahead).
+    """I-DLM's introspective strided decoding (ISD; I-DLM, arXiv 2604.11035; the reference implementation's
+    idlm_blockN.py), batched, for a model converted by idlm.py (a plain causal LM whose [MASK] positions were trained to
+    predict ahead).
 
     Stride N = block_length + 1. Every forward reads 2N - 1 positions after the KV cache, strictly causal:
         [pending, s_1 .. s_{N-1}, MASK x (N-1)]     pending: the last emitted token (not in the cache yet),
@@ -1114,12 +1129,12 @@ def sample_idlm(model, x, *, prompt_mask=None, gen_length=256, block_length=3, t
 
 def idlm_blocks(model, x, *, prompt_mask, gen_length, block, threshold, temperature, mask_id, eos_id, generator,
                 stats, callback):
-    """NeMo's IDLMSampler (reference §10.3-10.4: full forward, logit shift 1, block 4, threshold 0.9), the simpler
-    I-DLM decoder: blocks of `block` [MASK]s after the prompt, left to right; each step is one causal forward over the
-    prompt and the canvas so far, no KV cache, position p filled from the logits at p - 1 (the Dream shift); it
-    commits the block's most confident masked position plus every one with confidence >= threshold. Not lossless:
-    a committed token is never verified. A row whose canvas has an EOS with nothing masked before it leaves the
-    batch after its block."""
+    """NeMo's IDLMSampler (NeMo AutoModel examples/dllm_generate/utils.py, DLLMSampler.sample and its presets: full
+    forward, logit shift 1, block 4, threshold 0.9), the simpler I-DLM decoder: blocks of `block` [MASK]s after the
+    prompt, left to right; each step is one causal forward over the prompt and the canvas so far, no KV cache, position
+    p filled from the logits at p - 1 (the Dream shift); it commits the block's most confident masked position plus
+    every one with confidence >= threshold. Not lossless: a committed token is never verified. A row whose canvas has an
+    EOS with nothing masked before it leaves the batch after its block."""
     B, P = x.shape
     x, key_valid, pos, _ = make_canvas(x, prompt_mask, gen_length, mask_id)
     r = Rows(x, P, mask_id, eos_id, key_valid=key_valid)
@@ -1192,8 +1207,9 @@ def load_checkpoint(path, device='cpu', dtype=torch.float32, trust_remote_code=F
             meta = {**meta, 'tokenizer_path': d}
     weights = ', '.join(sorted(glob.glob(os.path.join(d, '*.safetensors')) + glob.glob(os.path.join(d, '*.bin'))))
     try:
-        if meta.get('family') == 'dflash':  # a draft: its target is the directory meta.json names
-            model = load_dflash(d, meta, device, dtype, trust_remote_code)
+        spec = SAMPLERS.get(meta.get('sampler'))
+        if spec is not None and spec.load is not None:  # e.g. a dflash draft: its target is where meta.json says
+            model = spec.load(d, meta, device, dtype, trust_remote_code)
         else:
             model = hf.load_pretrained(d, device, dtype, trust_remote_code)
     except FileNotFoundError as e:
@@ -1210,9 +1226,21 @@ def load_checkpoint(path, device='cpu', dtype=torch.float32, trust_remote_code=F
     return model, tokenizer, meta
 
 
+def family_module(meta, default):
+    """The module whose math a checkpoint was trained with: meta.json's 'module' (a family script, or a fork of one
+    such as my_scdd.py), else the family script `default`. Imported by name from this directory only: a checkpoint
+    can pick one of the scripts next to sample.py, never code elsewhere."""
+    name = meta.get('module') or default
+    if not re.fullmatch(r'[A-Za-z_]\w*', name) or not os.path.isfile(os.path.join(HERE, name + '.py')):
+        raise ValueError(f"meta.json names the module {name!r}, but there is no {name}.py next to sample.py (keep a "
+                         f"fork of a family script there)")
+    return importlib.import_module(name)
+
+
 def load_dflash(d, meta, device, dtype, trust_remote_code=False):
-    """A dflash.py export d (the draft) + the target its meta.json names -> Speculative(target, draft), eval mode."""
-    import dflash
+    """A dflash.py export d (the draft) + the target its meta.json names -> Speculative(target, draft), eval mode.
+    The draft's class comes from the module meta.json names (dflash.py, or a fork of it)."""
+    dflash = family_module(meta, 'dflash')
     t = meta.get('target', '')
     if not os.path.isfile(os.path.join(t, 'config.json')):
         raise FileNotFoundError(f"{os.path.join(d, 'meta.json')}: its target {t!r} (the AR model the draft was trained "
@@ -1465,12 +1493,18 @@ def main(argv=None):
     if unused:
         fail(f'--{unused[0]} does not apply to ' + ('--infill' if args.infill else f'sampler {name!r}'))
     family = meta.get('family')
-    if family and family not in spec.families:
+    if family and family not in spec.families and meta.get('sampler') != name:  # a fork names its sampler
         what = f"sampler {name!r} decodes {', '.join(spec.families)} checkpoints, not {family!r}"
         if not args.force:
             fail(f'{what} (--force decodes anyway; the model was not trained for it, so expect nonsense)')
         print(f'warning: {what}; decoding anyway (--force): expect nonsense', file=sys.stderr)
     opts = sampler_options(spec, meta, given)
+    if spec.family:  # the family's math: the checkpoint's own module (a fork's) when the sampler decodes it
+        try:
+            opts['family'] = family_module(meta if meta.get('sampler') == name or family in spec.families else {},
+                                           spec.family)
+        except ValueError as e:
+            fail(str(e))
     for k in spec.trained:
         if k in given and k in meta and given[k] != meta[k]:
             print(f'warning: --{k} {given[k]} but the checkpoint was trained with {k}={meta[k]} (meta.json): '

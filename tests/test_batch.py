@@ -1,4 +1,4 @@
-"""The micro-batches the family scripts train on: EOS fill to a canvas (collate fill_to, llada.fill_length), packing
+"""The micro-batches the family scripts train on: EOS fill to a canvas (collate fill_to, skeleton.fill_length), packing
 (llada/ar make_batch with pack=True: per-document attention and positions reproduce the unpacked loss exactly), and
 raw text windowed into rows (data.loader.TextWindows).
 Run: python -m pytest -q tests/test_batch.py"""
@@ -10,6 +10,7 @@ import ar
 import hf
 import kernels
 import llada
+import skeleton
 from data.loader import TextWindows, collate
 
 V, MASK, PAD, EOS = 40, 37, 38, 39
@@ -60,11 +61,11 @@ def test_make_batch_fills_every_row_to_one_canvas():
 
 
 def test_fill_length_is_a_pure_function_of_seed_and_step():
-    draws = [llada.fill_length(1337, s, 32) for s in range(200)]
-    assert draws == [llada.fill_length(1337, s, 32) for s in range(200)]
+    draws = [skeleton.fill_length(1337, s, 32) for s in range(200)]
+    assert draws == [skeleton.fill_length(1337, s, 32) for s in range(200)]
     assert min(draws) >= 0 and max(draws) <= 32 and len(set(draws)) > 20
-    assert draws != [llada.fill_length(1, s, 32) for s in range(200)]
-    assert llada.fill_length(1337, 5, 0) == 0
+    assert draws != [skeleton.fill_length(1, s, 32) for s in range(200)]
+    assert skeleton.fill_length(1337, 5, 0) == 0
 
 
 def _loss(module, mb, attn=None, pos=None):
@@ -137,6 +138,7 @@ def test_text_windows_tile_the_stream():
         TextWindows(FakeStream(5), 10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('script', ['llada.py', 'ar.py'])
 def test_raw_text_trains_on_windows(script, tmp_path):
     # end to end: a raw-text dataset trains on full windows of max_seq_len tokens (every token supervised: the

@@ -2,9 +2,12 @@
 (forward only on CPU), bf16 vs fp32, compiled vs eager, FSDP2 on a world of 1 vs unsharded, and the MFU run all
 pass, and the report prints one ok row per check. The checks run in this process (one torch import, not five).
 Run: python -m pytest -q tests/test_bench_gpu.py"""
+import pytest
+
 import bench
 
 
+@pytest.mark.slow  # compiles: ~10 s
 def test_gpu_section_toy_all_ok(capsys):
     args = bench.parse_args(['--only=gpu', '--toy'])
     results = {check: bench.gpu_child(check, args) for check in bench.GPU_CHECKS}

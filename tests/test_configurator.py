@@ -267,6 +267,7 @@ def test_script_end_to_end_in_subprocess(tmp_path):
     assert ['--n_layer=2', 'int', 'transformer', 'blocks'] in [l.split() for l in helped.stdout.splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('path', sorted(Path(__file__).resolve().parents[1].glob('config/*.py')),
                          ids=lambda p: p.name)
 def test_shipped_configs_apply_to_their_script(path):

@@ -1,43 +1,47 @@
-"""The family scripts' designated duplicated blocks (FAMILY.md: llada.py is the model every family copies): a block
-named here is copied verbatim into every family script that has its banner, so a fix made in one copy must be made
-in all. Compared textually, indentation and comments included.
+"""The family contract (FAMILY.md): the run machinery lives once, in skeleton.py. Every family script imports it and
+defines no copy of it (no function, class or constant of its own under one of skeleton's public names), so a fix made
+in skeleton.py reaches every family and a fork of a family carries only its method and its loop.
 Run: python -m pytest -q tests/test_family_contract.py"""
-import difflib
-import glob
+import ast
 import os
-import re
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BANNER = re.compile(r'^\s*# -{20,}\s*$')  # a section banner line: '# ------...'
-SHARED = ['distributed init', 'skeleton helpers']  # the sections every family script copies verbatim from llada.py
+FAMILIES = ['llada.py', 'ar.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py', 'idlm.py']
 
 
-def section(path, name):
-    """The lines of the section `# <name>` of a script: from its title line up to (not including) the next banner
-    line. None if the script has no such section."""
-    with open(path) as f:
-        lines = f.read().splitlines()
-    starts = [i for i, ln in enumerate(lines) if ln.strip() == f'# {name}']
-    if not starts:
-        return None
-    assert len(starts) == 1, f'{os.path.basename(path)}: {len(starts)} sections titled # {name}'
-    i = starts[0]
-    assert i > 0 and BANNER.match(lines[i - 1]), f'{os.path.basename(path)}: # {name} does not follow a banner line'
-    end = next((j for j in range(i + 1, len(lines)) if BANNER.match(lines[j])), None)
-    assert end is not None, f'{os.path.basename(path)}: no banner line after # {name}'
-    return lines[i:end]
+def parse(name):
+    with open(os.path.join(ROOT, name)) as f:
+        return ast.parse(f.read(), name)
 
 
-@pytest.mark.parametrize('name', SHARED)
-def test_shared_sections_are_identical_in_every_family_script(name):
-    scripts = sorted(glob.glob(os.path.join(ROOT, '*.py')))
-    blocks = {os.path.basename(p): b for p in scripts if (b := section(p, name)) is not None}
-    need = {'llada.py', 'ar.py', 'scdd.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py', 'idlm.py'}
-    assert need <= set(blocks), f'# {name} missing from {sorted(need - set(blocks))}'
-    ref = blocks['llada.py']
-    assert len(ref) > 5, ref  # a real block, not an empty title
-    for script, block in blocks.items():
-        diff = '\n'.join(difflib.unified_diff(ref, block, 'llada.py', script, lineterm=''))
-        assert block == ref, f'# {name} of {script} differs from llada.py\'s (copy it verbatim):\n{diff}'
+def public_names(tree):
+    """The top-level functions, classes and constants a module defines (not the names it imports)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return {n for n in names if not n.startswith('_')}
+
+
+def test_skeleton_holds_the_run_machinery():
+    names = public_names(parse('skeleton.py'))
+    for need in ('init_distributed', 'print0', 'all_sum', 'from_rank0', 'fail', 'settings_error', 'save_run',
+                 'load_run', 'lock_out_dir', 'StopSignal', 'get_lr'):
+        assert need in names, f'skeleton.py lost {need}'
+
+
+@pytest.mark.parametrize('script', FAMILIES)
+def test_family_imports_the_skeleton_and_copies_none_of_it(script):
+    tree = parse(script)
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == 'skeleton'
+                for a in n.names} | {'*' for n in ast.walk(tree) if isinstance(n, ast.Import)
+                                     and any(a.name == 'skeleton' for a in n.names)}
+    assert imported, f'{script} does not import skeleton'
+    shared = public_names(parse('skeleton.py'))
+    defined = {n.name: n.lineno for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    copies = sorted(f'{name} (line {line})' for name, line in defined.items() if name in shared)
+    assert not copies, f'{script} defines its own copy of skeleton.py\'s {", ".join(copies)}: import it instead'

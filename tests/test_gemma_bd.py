@@ -26,7 +26,7 @@ def tiny():
 
 
 def seeds(n, base=0):
-    return G.corruption_seeds(1337 + base, 3, torch.arange(n), n)
+    return G.corruption_seeds(1337 + base, 3, torch.arange(n), n, stream=2)
 
 
 def examples(lens=((3, 5), (5, 2), (2, 9))):
@@ -106,10 +106,11 @@ def test_self_conditioning_coin_is_seeded_and_p():
 
 
 def mask_reference(L, bs, prefix, resp, R, sw):
-    """Element-wise, written from reference §6.3's prose, over [L encoder | R canvas] queries and keys: an encoder
-    query sees the real encoder keys at or before it (sliding: within the window); canvas query j of row b sees the
-    prompt, the clean response blocks strictly before its block (within the response), and its own block; sliding:
-    encoder keys after block start - window; padding rows only themselves."""
+    """Element-wise, written from the description of NeMo AutoModel's DiffusionGemma training mask (attention_mask.py),
+    over [L encoder | R canvas] queries and keys: an encoder query sees the real encoder keys at or before it (sliding:
+    within the window); canvas query j of row b sees the prompt, the clean response blocks strictly before its block
+    (within the response), and its own block; sliding: encoder keys after block start - window; padding rows only
+    themselves."""
     B = len(prefix)
     m = torch.zeros(B, 1, L + R, L + R, dtype=torch.bool)
     for b in range(B):
@@ -273,7 +274,7 @@ def test_self_conditioning_pass_feeds_pass_two_only_for_coin_rows(tiny):
 def test_freeze_router(tiny):
     import copy
     m = copy.deepcopy(tiny)
-    n = G.freeze_router(m)
+    n = G.freeze_routers(m)
     frozen = [k for k, p in m.named_parameters() if not p.requires_grad]
     assert n == len(frozen) == 3 * 2 and all('.router.' in k for k in frozen)
 

@@ -10,6 +10,8 @@ import torch
 
 import regen_golden as golden
 
+pytestmark = pytest.mark.slow  # end-to-end runs: not in the fast tier (-m 'not slow')
+
 RTOL = 1e-5
 
 

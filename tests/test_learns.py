@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # end-to-end runs: not in the fast tier (-m 'not slow')
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the default's own first 700 steps (its LR schedule is still the 2,000-step one), then one eval of 200 val problems
 BUDGET = ['--max_iters=700', '--lr_decay_iters=2000', '--eval_interval=0', '--eval_samples=200', '--log_interval=100']

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import hf
 import llada
+import skeleton
 
 V, MASK, PAD, EOS = 40, 37, 38, 39
 
@@ -59,11 +60,11 @@ def test_corruption_is_seeded_and_leaves_global_rng_alone():
 
 def test_corruption_seeds_topology_invariant():
     # the row at global position j of step s gets the same seed whatever (world, accum) split produced it
-    s1 = llada.corruption_seeds(1337, 5, torch.arange(8), 8)
-    s2 = llada.corruption_seeds(1337, 5, torch.arange(4, 8), 8)
+    s1 = skeleton.corruption_seeds(1337, 5, torch.arange(8), 8)
+    s2 = skeleton.corruption_seeds(1337, 5, torch.arange(4, 8), 8)
     assert torch.equal(s1[4:], s2)
     assert len(set(s1.tolist())) == 8 and (s1 >= 0).all()
-    assert not torch.equal(s1, llada.corruption_seeds(1337, 6, torch.arange(8), 8))
+    assert not torch.equal(s1, skeleton.corruption_seeds(1337, 6, torch.arange(8), 8))
 
 
 def test_loss_matches_hand_computed():
@@ -109,10 +110,10 @@ def test_nothing_corrupted_gives_zero_loss():
 
 
 def test_check_mask_id():
-    llada.check_mask_id(MASK, V, PAD, EOS)
+    skeleton.check_mask_id(MASK, V, PAD, EOS)
     for bad, msg in [(V, 'outside the vocabulary'), (-1, 'outside the vocabulary'), (PAD, 'pad'), (EOS, 'eos')]:
         with pytest.raises(ValueError, match=msg):
-            llada.check_mask_id(bad, V, PAD, EOS)
+            skeleton.check_mask_id(bad, V, PAD, EOS)
 
 
 def test_scratch_model_is_bidirectional():
@@ -126,7 +127,7 @@ def test_scratch_model_is_bidirectional():
 
 def test_lr_schedule():
     kw = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
-    assert llada.get_lr(0, **kw) < llada.get_lr(9, **kw) <= 1.0
-    assert math.isclose(llada.get_lr(10, **kw), 1.0)
-    assert math.isclose(llada.get_lr(60, **kw), 0.55)
-    assert llada.get_lr(110, **kw) == 0.1 == llada.get_lr(500, **kw)
+    assert skeleton.get_lr(0, **kw) < skeleton.get_lr(9, **kw) <= 1.0
+    assert math.isclose(skeleton.get_lr(10, **kw), 1.0)
+    assert math.isclose(skeleton.get_lr(60, **kw), 0.55)
+    assert skeleton.get_lr(110, **kw) == 0.1 == skeleton.get_lr(500, **kw)

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import hf
 from test_train import TINY, ckpt, data_dir, run  # noqa: F401  (data_dir is a fixture)
 
+pytestmark = pytest.mark.slow  # end-to-end runs: not in the fast tier (-m 'not slow')
+
 ARGS = ['--max_iters=1', '--gradient_accumulation_steps=2', '--grad_clip=0', '--eval_samples=0',
         '--learning_rate=1e-30', '--min_lr=0']  # lr ~0 (0 is refused): updates vanish in fp32, so the checkpoint keeps the init
 

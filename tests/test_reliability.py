@@ -21,6 +21,8 @@ import torch
 
 from test_train import ROOT, TINY, ckpt
 
+pytestmark = pytest.mark.slow  # end-to-end runs: not in the fast tier (-m 'not slow')
+
 SHAPE = ('--n_layer=2', '--n_head=2', '--n_kv_head=2', '--n_embd=32', '--intermediate_size=64')  # TINY's model keys
 
 
@@ -150,12 +152,12 @@ def test_sigterm_saves_and_exits_a_second_run_is_locked_out_a_fresh_run_does_not
 
 
 def test_second_signal_exits_at_once(monkeypatch):
-    import llada
+    import skeleton
     exits = []
-    monkeypatch.setattr(llada.os, '_exit', exits.append)
+    monkeypatch.setattr(skeleton.os, '_exit', exits.append)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        stop = llada.StopSignal()
+        stop = skeleton.StopSignal()
         assert signal.getsignal(signal.SIGTERM) is stop and signal.getsignal(signal.SIGINT) is stop
         stop(signal.SIGTERM, None)
         assert stop.signum == signal.SIGTERM and exits == []  # the first: save after this step, then exit
@@ -306,3 +308,82 @@ def test_ar_shares_the_safety(data_dir, tmp_path):
     one_error(run('ar.py', *common, '--max_iters=3', '--overwrite=True', '--learning_rate=1e30', code=1),
               'non-finite loss', f'The last good checkpoint ({out}/ckpt.pt) is untouched')
     assert disk(out) == {'ckpt': 3, 'hf': 3, 'tmp': []}
+
+
+@pytest.mark.parametrize('script', ['llada.py', 'gemma_bd.py'])
+def test_an_eval_failure_saves_the_steps_trained_first(script, data_dir, tmp_path):
+    # the eval raises (test hook): the steps trained are saved, then one line and exit 1; resume continues them
+    out = str(tmp_path / 'out')
+    common = [f'--data_dir={data_dir}', f'--out_dir={out}', *TINY, '--eval_samples=4']
+    one_error(run(script, *common, '--max_iters=2', env={'NANODLM_DIE_AT': 'eval'}, code=1),
+              'the eval at step 2 failed (RuntimeError: NANODLM_DIE_AT=eval)', f'saved in {out}/ckpt.pt')
+    assert disk(out) == {'ckpt': 2, 'hf': 2, 'tmp': []}
+    run(script, *common, '--max_iters=3', '--init_from=resume')
+    assert disk(out) == {'ckpt': 3, 'hf': 3, 'tmp': []}
+
+
+def test_a_run_of_another_family_is_never_resumed_or_overwritten(data_dir, tmp_path):
+    out = str(tmp_path / 'out')
+    common = [f'--data_dir={data_dir}', f'--out_dir={out}', *TINY, '--eval_samples=0']
+    run('llada.py', *common, '--max_iters=1')
+    before = open(os.path.join(out, 'ckpt.pt'), 'rb').read()
+    for script, family in (('scdd.py', 'scdd'), ('hybrid.py', 'hybrid'), ('ar.py', 'ar')):
+        one_error(run(script, *common, '--max_iters=3', '--init_from=resume', code=2),
+                  f"{out}/ckpt.pt was written by the 'llada' family, not {family!r}")
+    assert open(os.path.join(out, 'ckpt.pt'), 'rb').read() == before
+    assert json.load(open(os.path.join(out, 'hf', 'meta.json')))['family'] == 'llada'
+
+
+def test_out_dir_that_is_a_file(data_dir, tmp_path):
+    path = tmp_path / 'a_file'
+    path.write_text('keep me')
+    one_error(run('llada.py', f'--data_dir={data_dir}', f'--out_dir={path}', *TINY, '--max_iters=1', code=2),
+              f'out_dir={path} is a file, not a directory')
+    assert path.read_text() == 'keep me'
+
+
+def test_gemma_canvas_from_the_model_is_checked_before_training(data_dir, tmp_path):
+    # block_size=0 takes the model's canvas_length (256 from scratch), known only once the model is built: checked
+    # then, before the first step (it used to train, then fail in the eval with no checkpoint)
+    out = str(tmp_path / 'out')
+    one_error(run('gemma_bd.py', f'--data_dir={data_dir}', f'--out_dir={out}', *TINY, '--block_size=0',
+                  '--gen_length=5', '--max_iters=2', code=2),
+              "gen_length=5 must be a multiple of the canvas, block_size=0: the model's canvas_length 256")
+    assert not os.path.exists(os.path.join(out, 'ckpt.pt'))
+
+
+def test_an_ar_model_is_required_where_one_is(data_dir, tmp_path):
+    # dflash's target, idlm's source and hybrid's start must be causal LMs: a llada.py export (bidirectional) is
+    # refused with one line before any work (it used to train: dflash with tau = 0, idlm and hybrid exporting a
+    # bidirectional model)
+    src = str(tmp_path / 'llada')
+    common = [f'--data_dir={data_dir}', *TINY, '--eval_samples=0', '--max_iters=1']
+    run('llada.py', f'--out_dir={src}', *common)
+    for script, arg, what in (('dflash.py', f'--target={src}', 'target'), ('idlm.py', f'--init_from={src}', 'init_from'),
+                              ('hybrid.py', f'--init_from={src}/hf', 'init_from')):
+        out = str(tmp_path / script)
+        extra = ['--target_layer_ids=0,1', '--block_size=4'] if script == 'dflash.py' else []
+        one_error(run(script, f'--out_dir={out}', arg, *common, *extra, code=2),
+                  f'{what}: {src}/hf is a \'llada\' checkpoint that is not a causal LM (is_causal: false')
+        assert not os.path.exists(os.path.join(out, 'ckpt.pt'))
+
+
+def test_a_resumed_draft_keeps_its_shape(data_dir, tmp_path):
+    # dflash's own shape keys (block size, target taps) are refused on resume as the shared ones are (they were
+    # silently ignored: the draft kept its block of 4 and the log named no change)
+    target, out = str(tmp_path / 'ar'), str(tmp_path / 'dflash')
+    run('ar.py', f'--data_dir={data_dir}', f'--out_dir={target}', *TINY, '--eval_samples=0', '--max_iters=1')
+    common = [f'--data_dir={data_dir}', f'--out_dir={out}', f'--target={target}', *TINY, '--eval_samples=0',
+              '--target_layer_ids=0,1']
+    run('dflash.py', *common, '--block_size=4', '--max_iters=1')
+    one_error(run('dflash.py', *common, '--block_size=8', '--max_iters=2', '--init_from=resume', code=2),
+              'block_size=8 (command line) but the checkpoint was trained with block_size=4')
+    one_error(run('dflash.py', *common[:-1], '--target_layer_ids=1', '--max_iters=2', '--init_from=resume', code=2),
+              "target_layer_ids='1' (command line) but the checkpoint was trained with target_layer_ids='0,1'")
+
+
+def test_out_dir_that_cannot_be_made_and_an_unknown_bench_section(data_dir, tmp_path):
+    (tmp_path / 'f').write_text('a file')
+    one_error(run('llada.py', f'--data_dir={data_dir}', f'--out_dir={tmp_path}/f/out', *TINY, '--max_iters=1',
+                  code=2), f'out_dir={tmp_path}/f/out cannot be used: Not a directory')
+    one_error(run('bench.py', '--only=foo', code=2), "--only: unknown section 'foo' (have ce, ")

@@ -150,6 +150,7 @@ def run_cli(*args):
                           cwd=sample.os.path.dirname(sample.__file__))
 
 
+@pytest.mark.slow
 def test_cli_errors(tmp_path):
     r = run_cli('--checkpoint', str(tmp_path / 'nope'), '--prompt', 'x')
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: checkpoint dir '{tmp_path / 'nope'}' does not exist"]

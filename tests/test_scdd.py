@@ -19,7 +19,7 @@ SCHED = dict(uniform_ratio=0.3, schedule_shape=2.0, schedule_peak=0.6)  # b = 0.
 # ---- an independent float64 model of the forward process: the spec's formulas re-typed, explicit matrices
 
 def masses(t, r, shape, peak):
-    """(ᾱ, β̄) at a float t, methods.md §1.2, written apart from scdd.schedule."""
+    """(ᾱ, β̄) at a float t (SCDD, arXiv 2603.02230, the forward process), written apart from scdd.schedule."""
     a, b = shape * peak, shape * (1 - peak)
     c = r / (1 - r) * (t / peak) ** a * ((1 - t) / (1 - peak)) ** b
     return (1 - t) / (1 + c), c / (1 + c)
@@ -431,3 +431,19 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     assert torch.equal(kernels.nucleus(p, 1.0), p)
     hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64)
     assert torch.allclose(kernels.nucleus(hand, 0.75), torch.tensor([[0.625, 0.375, 0, 0]], dtype=torch.float64))
+
+
+def test_an_impossible_visible_token_costs_nothing_at_uniform_ratio_0():
+    # uniform_ratio 0 is MDLM masking: a visible token other than x0 cannot occur (Dx = 0). Its term is 0 with zero
+    # gradient (NeMo's reference), not 0/0 = NaN, and the possible positions keep their values
+    sched = dict(SCHED, uniform_ratio=0.0)
+    t = torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64)
+    co = scdd.posterior_coefficients(t, t - 0.001, 3, **sched)
+    co = torch.stack([co[k] for k in scdd.COEFS], -1)
+    logits = torch.tensor([[1, .5, -.3, 0]] * 3, dtype=torch.float64, requires_grad=True)
+    x0, zt = torch.tensor([0, 0, 0]), torch.tensor([1, 0, 3])  # impossible visible, visible = x0, [MASK]
+    out = scdd.loss_terms(logits, x0, zt, co, mask_id=3)
+    grad, = torch.autograd.grad(out[:, 0].sum(), logits)
+    assert out[0, 0] == 0 and torch.isfinite(out).all() and torch.isfinite(grad).all() and (grad[0] == 0).all()
+    ref = scdd.loss_terms(logits[1:], x0[1:], zt[1:], co[1:], mask_id=3)
+    assert torch.equal(out[1:], ref)

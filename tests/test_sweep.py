@@ -6,10 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import sweep  # noqa: E402
 from data.synthetic import generate, write_jsonl  # noqa: E402
+
+pytestmark = pytest.mark.slow  # end-to-end runs: not in the fast tier (-m 'not slow')
 
 
 def test_fresh_problems_skip_every_train_and_val_prompt(tmp_path):

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # end-to-end runs: not in the fast tier (-m 'not slow')
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=2', '--n_head=2', '--n_kv_head=2', '--n_embd=32', '--intermediate_size=64', '--batch_size=16',
         '--eval_iters=1', '--eval_samples=8', '--log_interval=1', '--warmup_iters=2', '--eval_interval=0']

@@ -212,7 +212,7 @@ class DFlash(nn.Module):
     def draft_states(self, feats, x0, anchors, keep):
         """The draft's final states (R, N·bs, C) of every block, given the target's features feats (R, S, n·C) of
         x0 (R, S): block n is [x0[a_n], MASK x (bs-1)] at positions a_n..a_n+bs-1 and sees the context strictly
-        before a_n plus its own block (kernels.dflash; never the unmasked single-block shortcut of NeMo (A), whose
+        before a_n plus its own block (kernels.draft_blocks; never the unmasked single-block shortcut of NeMo (A), whose
         context includes the positions it predicts, NeMo AutoModel nemo_automodel/recipes/dllm/strategy.py,
         DFlashStrategy)."""
         R, S = x0.shape
@@ -222,7 +222,7 @@ class DFlash(nn.Module):
         emb = self.target.get_input_embeddings()(block.view(R, N * bs))  # (R, N·bs, C), frozen
         at = anchors[:, :, None] + torch.arange(bs, device=x0.device)  # (R, N, bs) each slot's position
         pos = torch.cat([torch.arange(S, device=x0.device).expand(R, S), at.view(R, -1)], dim=1)
-        mask = kernels.attention_mask(kernels.dflash(S, bs, anchors, keep), R, N * bs, S + N * bs, x0.device)
+        mask = kernels.device_mask(kernels.draft_blocks(S, bs, anchors, keep), R, N * bs, S + N * bs, x0.device)
         return self.draft(emb.to(feats.dtype), feats, pos, mask)
 
     def forward(self, x0, key_valid, anchors, keep, loss_mask):

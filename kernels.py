@@ -387,7 +387,7 @@ def gemma_block_diffusion(L, block_size, prefix, resp, sliding_window=0):
     return mask_mod
 
 
-def dflash(ctx_len, block_size, anchors, keep=None, causal=False, sliding_window=0):
+def draft_blocks(ctx_len, block_size, anchors, keep=None, causal=False, sliding_window=0):
     """DFlash drafter layout (NeMo AutoModel nemo_automodel/components/attention/dflash_mask.py): Q = N blocks of
     block_size, KV = [ctx (C) | blocks]. anchors (B, N) long: the context position each block starts at; keep (B, N)
     bool (False = padding block). A block query at offset `off` sees context keys strictly before its anchor (and with
@@ -435,7 +435,7 @@ def block_mask(mask_mod, B, Q, K, device=None):
     return create_block_mask(mask_mod, B, None, Q, K, device=device)
 
 
-def attention_mask(mask_mod, B, Q, K, device):
+def device_mask(mask_mod, B, Q, K, device):
     """BlockMask on CUDA (flex), dense bool (B, 1, Q, K) elsewhere (flex has no backward on CPU)."""
     if torch.device(device).type == 'cuda' and create_block_mask is not None:
         return block_mask(mask_mod, B, Q, K, device)
@@ -446,7 +446,7 @@ _flex_compiled = None if flex_attention is None else _compile_on_first_call(flex
 
 
 def attention(q, k, v, mask, scale=None):
-    """q (B, H, Q, hd), k/v (B, Hkv, K, hd) -> (B, H, Q, hd). mask from attention_mask: a BlockMask runs
+    """q (B, H, Q, hd), k/v (B, Hkv, K, hd) -> (B, H, Q, hd). mask from device_mask: a BlockMask runs
     compiled flex_attention, a bool (B, 1, Q, K) tensor (True = attend) or None runs SDPA."""
     gqa = q.shape[1] != k.shape[1]
     if BlockMask is not None and isinstance(mask, BlockMask):

@@ -25,8 +25,8 @@ def key_valid(B, T):
 
 def dflash_self(C, bs, anchors):
     """The DFlash layout as self-attention over [ctx (C) | blocks]: context queries causal, block queries as
-    kernels.dflash (context strictly before the anchor + their own block)."""
-    inner = kernels.dflash(C, bs, anchors)
+    kernels.draft_blocks (context strictly before the anchor + their own block)."""
+    inner = kernels.draft_blocks(C, bs, anchors)
     def mask_mod(b, h, q, kv):
         return torch.where(q < C, kv <= q, inner(b, h, (q - C).clamp_min(0), kv))
     return mask_mod

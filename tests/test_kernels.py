@@ -233,7 +233,7 @@ def test_dflash(causal, window, keep_all):
         if k < C:
             return k < a and (window == 0 or a + off - k < window) and (keep_all or keep[b, j].item())
         return (k - C) // bs == j and (not causal or (k - C) % bs <= off)
-    mm = kernels.dflash(C, bs, anchors, None if keep_all else keep, causal, window)
+    mm = kernels.draft_blocks(C, bs, anchors, None if keep_all else keep, causal, window)
     m = _check(mm, pred, 2, N * bs, C + N * bs)
     if not keep_all:  # a padding block sees only its own block
         assert not m[0, 0, 2 * bs:, :C].any() and m[0, 0, 2 * bs:, C + 2 * bs:].any(-1).all(), "padding block"
@@ -260,7 +260,7 @@ def test_flex_matches_sdpa_cpu():
         (kernels.block_diffusion(L, 2, VALID), 2 * L, 2 * L),
         (kernels.document(kernels.block_diffusion(L, 2, VALID, causal_in_block=True), doc2, doc2), 2 * L, 2 * L),
         (kernels.block_diffusion(L, 3, offset=torch.tensor([1, 2])), 2 * L, 2 * L),
-        (kernels.dflash(L, 4, anchors, torch.tensor([[True, False], [True, True]]), sliding_window=3), 8, L + 8),
+        (kernels.draft_blocks(L, 4, anchors, torch.tensor([[True, False], [True, True]]), sliding_window=3), 8, L + 8),
         (kernels.gemma_block_diffusion(L, 2, torch.tensor([2, 3]), torch.tensor([6, 4]), sliding_window=3), L + 6,
          L + 6),
     ]
@@ -268,7 +268,7 @@ def test_flex_matches_sdpa_cpu():
         q = torch.randn(B, H, Q, hd, generator=g)
         k, v = torch.randn(2, B, H, K, hd, generator=g)
         with torch.no_grad():
-            dense = kernels.attention(q, k, v, kernels.attention_mask(mask_mod, B, Q, K, 'cpu'))
+            dense = kernels.attention(q, k, v, kernels.device_mask(mask_mod, B, Q, K, 'cpu'))
             ref = F.scaled_dot_product_attention(q, k, v, attn_mask=kernels.dense_mask(mask_mod, B, Q, K))
             flex = kernels.flex_attention(q, k, v, block_mask=kernels.block_mask(mask_mod, B, Q, K, 'cpu'))
         torch.testing.assert_close(dense, ref)

@@ -69,6 +69,8 @@ class Sampler(NamedTuple):
     #                   'module' when the checkpoint is that family's or a fork's, so a fork samples with its own math
     load: Callable = None  # (hf_dir, meta, device, dtype, trust_remote_code) -> the model, when a checkpoint this
     #                        sampler decodes is more than one HF model (dflash: the draft and its target)
+    model_error: Callable = None  # model -> None, or why this sampler cannot run on it (checked before decoding,
+    #                               --force included)
 
     def __call__(self, *args, **kw):
         return self.fn(*args, **kw)
@@ -790,6 +792,8 @@ def draw_tokens(probs, generator=None):
 
 
 @sampler('gemma', families=('gemma_bd',),
+         model_error=lambda m: None if hasattr(getattr(m, 'model', None), 'encoder') else
+         'it needs a DiffusionGemma model (an encoder and a canvas decoder; a gemma_bd.py checkpoint)',
          report=lambda t: {'steps/canvas': t.get('denoise', 0) / max(t.get('canvases', 0), 1)},
          preset=dict(gen_length=256, block_length=256, steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1,
                      confidence_threshold=0.005, stability_threshold=1, adaptive_stop=True, self_conditioning=True,
@@ -906,6 +910,8 @@ def pick_tokens(logits, temperature, generator, mask_id):
 
 
 @sampler('dflash', families=('dflash',), from_meta=('gen_length',), load=lambda *a: load_dflash(*a),
+         model_error=lambda m: None if isinstance(m, Speculative) else 'it needs a dflash.py checkpoint (a draft '
+                                                                       'and its target)',
          report=lambda t: {'tau': t.get('accepted', 0) / max(t.get('rounds', 0), 1)},
          preset=dict(gen_length=128, temperature=0.0))
 @torch.no_grad()
@@ -1250,6 +1256,15 @@ def load_dflash(d, meta, device, dtype, trust_remote_code=False):
     return Speculative(target, draft).to(device).eval()
 
 
+def model_error(spec, model):
+    """Why the sampler spec cannot run on model (its own model_error; a two-model checkpoint such as a dflash draft and
+    its target runs only under the sampler that loaded it), or None."""
+    if isinstance(model, Speculative) and spec.load is None:
+        return ('it is a dflash.py checkpoint (a draft and its target): decode it with --sampler dflash, or give the '
+                'target as --checkpoint')
+    return spec.model_error(model) if spec.model_error is not None else None
+
+
 def default_sampler(meta):
     """The sampler a checkpoint names in meta.json, else the first that decodes its family, else the first one."""
     fits = [n for n, s in SAMPLERS.items() if meta.get('family') in s.families]
@@ -1267,10 +1282,11 @@ def sampler_options(sampler, meta, overrides):
     same, decodes = meta.get('sampler') == s.name, meta.get('family') in s.families
     opts = dict(s.preset)
     opts.update({k: meta[k] for k in s.preset if k in meta and (same or (decodes and k in s.from_meta))})
-    if not (same or decodes):
-        lengths = {k: meta[k] for k in ('gen_length', 'block_length') if k in meta and k in s.preset}
+    if not (same or decodes):  # only the answer length carries over: another family's block_length means another
+        #                         thing (idlm's noisy block, hybrid's attention block)
+        lengths = {k: meta[k] for k in ('gen_length',) if k in meta and k in s.preset}
         if 'gen_length' in lengths and 'block_length' in s.preset:
-            lengths.setdefault('block_length', lengths['gen_length'])
+            lengths['block_length'] = lengths['gen_length']
         opts.update(lengths)
     opts.update({k: v for k, v in overrides.items() if k in opts})
     return opts
@@ -1286,8 +1302,13 @@ def encode_prompt(tok, prompt, *, raw, infill_length=0, mask_id=-1):
     a sentinel."""
     msgs = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else prompt
     if not infill_length:
-        return tok.encode('\n'.join(m['content'] for m in msgs)) if raw else \
-            tok.encode_chat(msgs, add_generation_prompt=True)[0]
+        if raw:
+            return tok.encode('\n'.join(m['content'] for m in msgs))
+        try:
+            return tok.encode_chat(msgs, add_generation_prompt=True)[0]
+        except Exception as e:  # an HF tokenizer without a chat template (a checkpoint without nanodlm's meta.json)
+            raise ValueError(f'the tokenizer cannot format a chat prompt ({str(e).strip().splitlines()[0]}); pass '
+                             f'--raw') from None
     body = []
     for i, piece in enumerate(prompt.split('[MASK]')):
         body += ([mask_id] * infill_length if i else []) + tok.encode(piece)
@@ -1303,6 +1324,8 @@ def encode_prompt(tok, prompt, *, raw, infill_length=0, mask_id=-1):
 
 def check_prompt(ids, gen_length, max_positions, where):
     """ValueError unless the prompt's canvas fits the model: prompt tokens + gen_length <= its position limit."""
+    if not len(ids):
+        raise ValueError(f'{where} encodes to no tokens')
     if max_positions and len(ids) + gen_length > max_positions:
         raise ValueError(f'{where}: prompt of {len(ids)} tokens + gen_length {gen_length} exceeds the model\'s '
                          f'{max_positions} positions')
@@ -1498,6 +1521,9 @@ def main(argv=None):
         if not args.force:
             fail(f'{what} (--force decodes anyway; the model was not trained for it, so expect nonsense)')
         print(f'warning: {what}; decoding anyway (--force): expect nonsense', file=sys.stderr)
+    cannot = model_error(spec, model)
+    if cannot:
+        fail(f'sampler {name!r} cannot run on {args.checkpoint}: {cannot}')
     opts = sampler_options(spec, meta, given)
     if spec.family:  # the family's math: the checkpoint's own module (a fork's) when the sampler decodes it
         try:

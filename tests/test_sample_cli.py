@@ -138,8 +138,9 @@ def test_sampler_of_another_family_needs_force(ckpt, capsys):
 
 
 def test_forced_sampler_keeps_the_checkpoints_canvas():
-    # --force: the answer length is the task's, so it carries over (as one block when meta.json has none);
-    # the other options stay the forced sampler's own presets, and the command line still wins
+    # --force: the answer length is the task's, so it carries over, as one block (another family's block_length
+    # means another thing: hybrid's attention block, idlm's noisy block); the other options stay the forced
+    # sampler's own presets, and the command line still wins
     scdd_meta = {'family': 'scdd', 'sampler': 'scdd', 'gen_length': 17, 'steps': 17, 'cleanup': 'mask'}
     opts = sample.sampler_options('llada', scdd_meta, {})
     assert (opts['gen_length'], opts['block_length']) == (17, 17)
@@ -147,7 +148,9 @@ def test_forced_sampler_keeps_the_checkpoints_canvas():
     assert sample.sampler_options('llada', scdd_meta, {'block_length': 1})['block_length'] == 1
     hybrid_meta = {'family': 'hybrid', 'sampler': 'nemotron', 'gen_length': 16, 'block_length': 8}
     opts = sample.sampler_options('llada', hybrid_meta, {})
-    assert (opts['gen_length'], opts['block_length']) == (16, 8)
+    assert (opts['gen_length'], opts['block_length']) == (16, 16)
+    idlm_meta = {'family': 'idlm', 'sampler': 'idlm', 'gen_length': 17, 'block_length': 3}
+    assert sample.sampler_options('llada', idlm_meta, {})['block_length'] == 17  # 17 % 3 would be refused
     opts = sample.sampler_options('scdd', {'family': 'llada', 'gen_length': 5, 'block_length': 5}, {})
     assert opts['gen_length'] == 5 and 'block_length' not in opts
 
@@ -419,3 +422,19 @@ def test_cli_idlm(ckpt, capsys):
                       (('--block_length', 0), 'need gen_length >= 1 and block_length >= 1')]:
         code, out, err = run_main(capsys, '--checkpoint', ckpt / 'idlm', '--prompt', '1+2', *args)
         assert one_line_error(code, err, msg), (args, err)
+
+
+def test_force_refuses_a_model_the_sampler_cannot_run(ckpt, capsys):
+    # --force decodes another family's checkpoint, but not a model the sampler cannot run at all (it used to raise:
+    # a TypeError on the dflash pair, an AttributeError for gemma on a plain model)
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'dflash', '--sampler', 'llada', '--prompt', 'a',
+                              '--force')
+    assert one_line_error(code, err, "sampler 'llada' cannot run on") and \
+        'it is a dflash.py checkpoint (a draft and its target): decode it with --sampler dflash' in err, err
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'llada', '--sampler', 'gemma', '--prompt', 'a', '--force')
+    assert one_line_error(code, err, "sampler 'gemma' cannot run on") and 'it needs a DiffusionGemma model' in err, err
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'llada', '--sampler', 'dflash', '--prompt', 'a',
+                              '--force')
+    assert one_line_error(code, err, "sampler 'dflash' cannot run on") and 'it needs a dflash.py checkpoint' in err, err
+    with pytest.raises(ValueError, match='prompt 1 encodes to no tokens'):
+        sample.check_prompt([], 4, 0, 'prompt 1')

@@ -336,24 +336,43 @@ def regenerate_answers(target, tokenizer, in_path, out_path, *, pad_id, eos_id, 
     sampler, KV-cached, batched, in process: NeMo's regenerate script talks to an SGLang server) into out_path, the
     same records with the target's answers. Resumable: records
     already in out_path are skipped (a torn last line is dropped first), and batch i always draws from a generator
-    seeded (seed, i), so a resumed file equals an uninterrupted one. -> the number of records written now."""
+    seeded (seed, i), so a resumed file equals an uninterrupted one. A resume must be of the same regeneration: the
+    kept records' prompts are in_path's, and the settings (out_path.settings.json, written first) are the same;
+    anything else is a ValueError before a line is written. -> the number of records written now."""
     import sample as sampler_lib
     from data.prepare import read_chat_jsonl
+    if os.path.abspath(out_path) == os.path.abspath(in_path):
+        raise ValueError(f'--regenerate={out_path} is its own input: write the regenerated records to another file')
     records = [msgs for _, msgs in read_chat_jsonl(in_path)]
-    done = 0
+    settings = dict(input=os.path.abspath(in_path), max_new_tokens=max_new_tokens, temperature=temperature,
+                    batch_size=batch_size, seed=seed)
+    done, settings_path = 0, out_path + '.settings.json'
     if os.path.exists(out_path):
         with open(out_path, 'rb') as f:
             data = f.read()
         whole = data[:data.rfind(b'\n') + 1]  # complete lines only
+        kept = [json.loads(line)['messages'][:-1] for line in whole.decode().splitlines()]
+        bad = next((k for k, m in enumerate(kept) if k >= len(records) or m != records[k][:-1]), None)
+        if bad is not None:
+            raise ValueError(f'{out_path} line {bad + 1} is not a regeneration of {in_path} record {bad + 1}: another '
+                             f'input? Pick another output file, or delete it to start over')
+        if os.path.exists(settings_path):
+            with open(settings_path) as f:
+                before = json.load(f)
+            moved = [k for k in settings if before.get(k) != settings[k]]
+            if moved:
+                raise ValueError(f'{out_path} was regenerated with {moved[0]}={before.get(moved[0])!r}, not '
+                                 f'{settings[moved[0]]!r}: resuming would mix the two; pick another output file')
         if len(whole) != len(data):
             with open(out_path, 'wb') as f:
                 f.write(whole)
-        done = whole.count(b'\n')
-    if done > len(records):
-        raise ValueError(f'{out_path} has {done} records but {in_path} only {len(records)}: not a regeneration of it')
+        done = len(kept)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(settings_path + '.tmp', 'w') as f:
+        json.dump(settings, f)
+    os.replace(settings_path + '.tmp', settings_path)
     device = next(target.parameters()).device
     written = 0
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, 'a') as f:
         for i in range(done // batch_size * batch_size, len(records), batch_size):
             batch = records[i:i + batch_size]

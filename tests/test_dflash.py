@@ -375,3 +375,30 @@ def test_regeneration_resumes_to_the_same_file(tmp_path):
     part.write_text(''.join(lines[:4]) + lines[4][:10])  # killed mid-write of record 5
     assert dflash.regenerate_answers(target, tok, str(src), str(part), **kw) == 3
     assert part.read_text() == full.read_text()
+
+
+def test_regeneration_refuses_to_mix_inputs_or_settings(tmp_path):
+    # a resume must continue the same regeneration: kept records from another input, other settings or the input
+    # itself as the output are refused before a line is written (they used to append: a mixed file, "5/5")
+    from data.tokenizer import load_tokenizer
+    tok = load_tokenizer({'tokenizer': 'byte', 'tokenizer_path': ''})
+    torch.manual_seed(0)
+    target = hf.build_model('scratch', vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
+                            bidirectional=False).eval()
+    a, b, out = tmp_path / 'a.jsonl', tmp_path / 'b.jsonl', tmp_path / 'out.jsonl'
+    for path, q in ((a, 'q'), (b, 'r')):
+        path.write_text(''.join(json.dumps({'messages': [{'role': 'user', 'content': f'{q}{i}'},
+                                                         {'role': 'assistant', 'content': 'x'}]}) + '\n'
+                                for i in range(5)))
+    kw = dict(pad_id=tok.pad_id, eos_id=tok.eos_id, mask_id=tok.mask_id, max_new_tokens=3, temperature=0.0,
+              batch_size=2, seed=5, log=lambda *x: None)
+    assert dflash.regenerate_answers(target, tok, str(a), str(out), **kw) == 5
+    before = out.read_text()
+    with pytest.raises(ValueError, match=r'out.jsonl line 1 is not a regeneration of .*b.jsonl record 1'):
+        dflash.regenerate_answers(target, tok, str(b), str(out), **kw)
+    with pytest.raises(ValueError, match=r'was regenerated with temperature=0.0, not 1.0'):
+        dflash.regenerate_answers(target, tok, str(a), str(out), **{**kw, 'temperature': 1.0})
+    with pytest.raises(ValueError, match='is its own input'):
+        dflash.regenerate_answers(target, tok, str(a), str(a), **kw)
+    assert out.read_text() == before
+    assert dflash.regenerate_answers(target, tok, str(a), str(out), **kw) == 0  # the same one: nothing left to do

@@ -737,5 +737,5 @@ if __name__ == '__main__':
     if 'accuracy' in metrics:
         print0(f"acceptance length τ of greedy speculative decoding on {dataset}: {metrics['tau']:.2f} tokens per "
                f"target forward (block {block_size})")
-        print0(f"held-out exact-match accuracy on {dataset}: {100 * metrics['accuracy']:.1f}%")
+        print0(f"held-out exact-match accuracy on {os.path.basename(data_dir)}: {100 * metrics['accuracy']:.1f}%")
     finish(0)

@@ -283,7 +283,7 @@ if __name__ == '__main__':
     softcap = float(getattr(model.config, 'final_logit_softcapping', None) or 0.0)
     net = IDLM(model, softcap=softcap, compiled_ce=compile)  # model + loss: the one module DDP/FSDP wrap
     n_params = sum(p.numel() for p in raw_model.parameters())
-    print0(f'model: {n_params / 1e6:.2f}M parameters ({source or "scratch"}), vocab {vocab}, mask_id {mask_id}, '
+    print0(f'model: {n_params / 1e6:.2f}M parameters ({source or ("resumed" if start_step else "scratch")}), vocab {vocab}, mask_id {mask_id}, '
            f'block_length {block_length}, world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = '
            f'{global_batch} examples/step')
 
@@ -426,5 +426,5 @@ if __name__ == '__main__':
             finish(saver.exit_code())
     if 'accuracy' in metrics:
         print0(f"ISD tokens per forward on {dataset}: {metrics['tokens_per_forward']:.2f} (stride {block_length + 1})")
-        print0(f"held-out exact-match accuracy on {dataset}: {100 * metrics['accuracy']:.1f}%")
+        print0(f"held-out exact-match accuracy on {os.path.basename(data_dir)}: {100 * metrics['accuracy']:.1f}%")
     finish(0)

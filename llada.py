@@ -423,5 +423,5 @@ if __name__ == '__main__':
             print0(f'stopped by a signal after step {step}, saved in {ckpt_path}: --init_from=resume continues')
             finish(saver.exit_code())
     if 'accuracy' in metrics:
-        print0(f"held-out exact-match accuracy on {dataset}: {100 * metrics['accuracy']:.1f}%")
+        print0(f"held-out exact-match accuracy on {os.path.basename(data_dir)}: {100 * metrics['accuracy']:.1f}%")
     finish(0)

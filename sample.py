@@ -144,7 +144,7 @@ def need(ok, msg):
 
 def check_common(temperature, mask_id=None, threshold=None, remasking='low_confidence'):
     """The checks the samplers share: temperature, the mask id (None: not used), threshold, remasking."""
-    need(temperature >= 0, f'temperature must be >= 0, got {temperature}')
+    need(0 <= temperature < math.inf, f'temperature must be finite and >= 0, got {temperature}')
     need(mask_id is None or mask_id >= 0, 'the checkpoint has no mask token id (meta.json mask_id / the tokenizer)')
     need(threshold is None or 0 <= threshold <= 1, f'threshold must be in [0, 1], got {threshold}')
     need(remasking in ('low_confidence', 'random'),

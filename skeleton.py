@@ -281,7 +281,7 @@ def open_data(dataset, data_dir, max_seq_len, tokenizer_source):
     from data.synthetic import TASKS
     from data.tokenizer import load_tokenizer
     synthetic = not data_dir and dataset in TASKS  # only a named synthetic task is generated, into data/<task>
-    data_dir = data_dir or os.path.join(HERE, 'data', dataset)
+    data_dir = os.path.normpath(data_dir or os.path.join(HERE, 'data', dataset))
     if synthetic and _rank() == 0:
         ensure_synthetic(dataset, data_dir, max_seq_len=max_seq_len, seed=0)
     if dist.is_initialized():

@@ -283,7 +283,8 @@ if __name__ == '__main__':
     softcap = float(getattr(model.config, 'final_logit_softcapping', None) or 0.0)
     net = IDLM(model, softcap=softcap, compiled_ce=compile)  # model + loss: the one module DDP/FSDP wrap
     n_params = sum(p.numel() for p in raw_model.parameters())
-    print0(f'model: {n_params / 1e6:.2f}M parameters ({source or ("resumed" if start_step else "scratch")}), vocab {vocab}, mask_id {mask_id}, '
+    origin = source or ('resumed' if start_step else 'scratch')
+    print0(f'model: {n_params / 1e6:.2f}M parameters ({origin}), vocab {vocab}, mask_id {mask_id}, '
            f'block_length {block_length}, world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = '
            f'{global_batch} examples/step')
 

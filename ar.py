@@ -15,7 +15,6 @@ Sample:
 
 Forked from llada.py; changes: causal model (bidirectional=False), no corruption, shifted targets, 'ar' sampler eval.
 """
-import json
 import os
 import time
 
@@ -25,8 +24,9 @@ import torch.nn as nn
 import hf
 import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
-                      save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
-                      resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval, answer_rows, exact_match)
+                      save_run, open_data, claim_out_dir, load_resume, model_for_run, wrap, gathered, adamw,
+                      full_state, resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval, answer_rows,
+                      exact_match)
 from data.loader import collate, pack as pack_rows
 
 FAMILY = 'ar'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -201,23 +201,9 @@ if __name__ == '__main__':
     attn_implementation = hf.default_attn_implementation(device)  # flex_attention on CUDA, sdpa on CPU
     if init_from == 'resume':
         checkpoint, saved = load_resume(ckpt_path, FAMILY, config, given)
-        hf_config = json.loads(checkpoint['model_args'])
-        if 'auto_map' in hf_config:  # remote-code model: its code travels with the HF export
-            model = hf.build_model(hf_dir, trust_remote_code=trust_remote_code,
-                                   bidirectional=False, attn_implementation=attn_implementation)
-        else:
-            model = hf.build_model('scratch', hf_config=hf_config, attn_implementation=attn_implementation)
-        model.load_state_dict(checkpoint['model'])
         start_step = checkpoint['step']
-    else:
-        try:
-            model = hf.build_model(init_from, vocab_size=meta['vocab_size'], model_type=model_type, n_layer=n_layer,
-                                   n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
-                                   intermediate_size=intermediate_size, max_seq_len=max(max_seq_len, 256),
-                                   rope_theta=rope_theta, trust_remote_code=trust_remote_code, bidirectional=False,
-                                   attn_implementation=attn_implementation)
-        except (OSError, ValueError) as e:  # a missing/incomplete checkpoint dir
-            fail(str(e).splitlines()[0], 1)
+    model = model_for_run(init_from, checkpoint, hf_dir, config, vocab_size=meta['vocab_size'],
+                          bidirectional=False, attn_implementation=attn_implementation)
     vocab = model.get_input_embeddings().weight.shape[0]
     model.to(device)
     raw_model = model  # the bare HF model: state_dict, export, sampling

@@ -359,6 +359,42 @@ def load_resume(ckpt_path, family, config, given, shape_keys=()):
     return checkpoint, saved
 
 
+
+def model_for_run(init_from, checkpoint, hf_dir, config, *, vocab_size, bidirectional, attn_implementation):
+    """The run's Hugging Face model. Resumed (checkpoint given): the architecture it was saved with (remote code from
+    its export hf_dir) and its weights. Else a scratch model of config's shape keys (model_type, n_layer, ...) or the
+    local checkpoint dir init_from, bidirectional or causal. A missing or incomplete dir is one line, exit 1."""
+    import hf
+    try:
+        if checkpoint is not None:
+            hf_config = json.loads(checkpoint['model_args'])
+            if 'auto_map' in hf_config:  # remote-code model: its code travels with the HF export
+                model = hf.build_model(hf_dir, trust_remote_code=config['trust_remote_code'],
+                                       bidirectional=bidirectional, attn_implementation=attn_implementation)
+            else:
+                model = hf.build_model('scratch', hf_config=hf_config, attn_implementation=attn_implementation)
+            model.load_state_dict(checkpoint['model'])
+            return model
+        return hf.build_model(init_from, vocab_size=vocab_size, **{k: config[k] for k in MODEL_KEYS},
+                              max_seq_len=max(config['max_seq_len'], 256), bidirectional=bidirectional,
+                              trust_remote_code=config['trust_remote_code'], attn_implementation=attn_implementation)
+    except (OSError, ValueError) as e:  # a missing/incomplete checkpoint dir
+        fail(str(e).splitlines()[0], 1)
+
+
+def mask_id_for_run(mask_id, checkpoint, default, vocab_size, pad_id, eos_id):
+    """The run's [MASK] id: mask_id, else (-1) the one a resumed checkpoint was trained with, else default (meta.json
+    or the tokenizer's). Not a real embedding row, pad or eos, or not the checkpoint's: one line, exit 2."""
+    if mask_id == -1:
+        mask_id = checkpoint['mask_id'] if checkpoint is not None else default
+    try:
+        check_mask_id(mask_id, vocab_size, pad_id, eos_id)
+        if checkpoint is not None and mask_id != checkpoint['mask_id']:
+            raise ValueError(f"mask_id={mask_id} but the checkpoint was trained with mask_id={checkpoint['mask_id']}")
+    except ValueError as e:
+        fail(str(e), 2)
+    return mask_id
+
 def wrap(module, units, *, fsdp, device_type, local_rank):
     """module (the one nn.Module whose forward returns the loss) made ready for data parallelism: under torchrun,
     FSDP2 (each of units sharded, then the root) or DDP; on one process, itself. Returns (train_model, the FSDP

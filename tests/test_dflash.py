@@ -16,6 +16,7 @@ import dflash
 import hf
 import kernels
 import sample
+from data.regenerate import regenerate_answers
 
 V, C, MASK, EOS, PAD = 48, 32, 45, 47, 46
 
@@ -369,11 +370,11 @@ def test_regeneration_resumes_to_the_same_file(tmp_path):
     kw = dict(pad_id=tok.pad_id, eos_id=tok.eos_id, mask_id=tok.mask_id, max_new_tokens=5, temperature=1.0,
               batch_size=3, seed=5, log=lambda *a: None)
     full, part = tmp_path / 'full.jsonl', tmp_path / 'part.jsonl'
-    assert dflash.regenerate_answers(target, tok, str(src), str(full), **kw) == 7
+    assert regenerate_answers(target, tok, str(src), str(full), **kw) == 7
     lines = full.read_text().splitlines(keepends=True)
     assert len(lines) == 7 and all(json.loads(ln)['messages'][0]['content'] == f'q{i}' for i, ln in enumerate(lines))
     part.write_text(''.join(lines[:4]) + lines[4][:10])  # killed mid-write of record 5
-    assert dflash.regenerate_answers(target, tok, str(src), str(part), **kw) == 3
+    assert regenerate_answers(target, tok, str(src), str(part), **kw) == 3
     assert part.read_text() == full.read_text()
 
 
@@ -392,13 +393,13 @@ def test_regeneration_refuses_to_mix_inputs_or_settings(tmp_path):
                                 for i in range(5)))
     kw = dict(pad_id=tok.pad_id, eos_id=tok.eos_id, mask_id=tok.mask_id, max_new_tokens=3, temperature=0.0,
               batch_size=2, seed=5, log=lambda *x: None)
-    assert dflash.regenerate_answers(target, tok, str(a), str(out), **kw) == 5
+    assert regenerate_answers(target, tok, str(a), str(out), **kw) == 5
     before = out.read_text()
     with pytest.raises(ValueError, match=r'out.jsonl line 1 is not a regeneration of .*b.jsonl record 1'):
-        dflash.regenerate_answers(target, tok, str(b), str(out), **kw)
+        regenerate_answers(target, tok, str(b), str(out), **kw)
     with pytest.raises(ValueError, match=r'was regenerated with temperature=0.0, not 1.0'):
-        dflash.regenerate_answers(target, tok, str(a), str(out), **{**kw, 'temperature': 1.0})
+        regenerate_answers(target, tok, str(a), str(out), **{**kw, 'temperature': 1.0})
     with pytest.raises(ValueError, match='is its own input'):
-        dflash.regenerate_answers(target, tok, str(a), str(a), **kw)
+        regenerate_answers(target, tok, str(a), str(a), **kw)
     assert out.read_text() == before
-    assert dflash.regenerate_answers(target, tok, str(a), str(out), **kw) == 0  # the same one: nothing left to do
+    assert regenerate_answers(target, tok, str(a), str(out), **kw) == 0  # the same one: nothing left to do

@@ -6,8 +6,8 @@ the same way. The functions read no config globals: a script passes what it uses
     distributed    init_distributed, precision, print0, all_sum, from_rank0, finish, fail
     settings       MODEL_KEYS, settings_error, resume_error, get_lr, git_commit
     checkpoints    lock_out_dir, save_run, load_run, die_at, StopSignal
-    a run's life   open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state, resolve_config, RunLog,
-                   eval_line, check_finite, Saver, guarded_eval
+    a run's life   open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered, adamw,
+                   full_state, resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval
     randomness     corruption_seeds, fill_length, check_mask_id
     the eval       answer_rows, exact_match, causal_lm_error
 

@@ -3,7 +3,7 @@ at most the steps since its last checkpoint and resumes bit-exactly; two runs ne
 never replaces a checkpoint; every bad setting or input stops with one `error: ` line (exit 2 for a usage error,
 found before any work; 1 for a run-time failure), never a traceback. Kills use the scripts' test hook
 NANODLM_DIE_AT=<phase>[:<step>] (die_at in the skeleton helpers), which SIGKILLs the process at a named phase.
-The README's "Reliability" table is read off these tests.
+docs/reliability.md's table is read off these tests.
 Run: python -m pytest -q tests/test_reliability.py"""
 import ast
 import json

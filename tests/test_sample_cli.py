@@ -3,6 +3,7 @@ and every bad input as one line with exit code 2 (1 at run time), on tiny byte-l
 family scripts write them.
 Run: python -m pytest -q tests/test_sample_cli.py"""
 import ast
+import glob
 import inspect
 import json
 import os
@@ -180,7 +181,8 @@ def test_cli_eval_one_line(ckpt, capsys, family, args):
 
 
 def test_readme_eval_line_is_the_real_format():
-    text = open(os.path.join(ROOT, 'README.md')).read()
+    pages = [os.path.join(ROOT, 'README.md')] + sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md')))
+    text = ''.join(open(p).read() for p in pages)
     lines = re.findall(r'`((?:llada|llada2|ar|scdd|nemotron) \| accuracy[^`]*)`', text)
     assert lines and all(re.match(EVAL_LINE + '$', ln) for ln in lines), lines
 

@@ -27,7 +27,7 @@ Sample from the result (the target comes from out-dflash/hf/meta.json):
 
 Layout: the library half (importable, no side effects) holds the draft model, anchor sampling and the loss; the
 script half under `if __name__ == '__main__':` holds config -> configurator -> distributed init -> data -> model ->
-training loop. Deliberate differences from the references are listed in the README (dflash.py section).
+training loop. Deliberate differences from the references are listed in docs/dflash.md.
 """
 import json
 import os
@@ -198,7 +198,7 @@ def build_draft(target_config, *, n_layer, n_head, n_kv_head, n_embd, intermedia
 class DFlash(nn.Module):
     """The draft and its loss in one forward, so DDP/FSDP hooks see a single call per micro-step. The frozen
     target is held outside the module tree (not a submodule: DDP/FSDP and the optimizer see the draft only, and the
-    target is replicated on every rank, not sharded: a limitation, README); it runs once per sequence under no_grad
+    target is replicated on every rank, not sharded: a limitation, docs/limitations.md); it runs once per sequence under no_grad
     and lends its embeddings and LM head."""
 
     def __init__(self, draft, target, *, weights, compiled_ce=False):
@@ -259,7 +259,7 @@ class DFlash(nn.Module):
 def sample_anchors(loss_mask, *, n_blocks, block_size, overlap, seeds):
     """Per row, up to n_blocks anchor positions a (sorted), drawn without replacement from the supervised positions
     whose next token is supervised too (an anchor is a committed response token; its block predicts a+1..a+B-1).
-    A deliberate difference (README): NeMo's trainer (B) takes supervised positions up to S - B only, its dLLM
+    A deliberate difference (docs/dflash.md): NeMo's trainer (B) takes supervised positions up to S - B only, its dLLM
     strategy (A) any position in [1, len - B]; here an answer's last tokens train too (slots past it predict nothing).
     overlap=False keeps the blocks [a, a + B) disjoint (a random greedy packing). Per-row generators from seeds.
     -> anchors (R, n_blocks) long (0 in unused slots), keep (R, n_blocks) bool."""

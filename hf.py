@@ -121,7 +121,7 @@ def build_diffusion_gemma(init_from, *, vocab_size=0, n_layer=4, n_head=4, n_kv_
     model = cls(config)
     if hf_config is None:  # scratch init: Gemma 4 attends with scale 1.0 on RMS-normed q and k, so at init (norm
         # weights 1) a logit q·k has std sqrt(head_dim) and the softmax is saturated; norm weights of head_dim^-1/4
-        # give the usual 1/sqrt(head_dim) scale at init (training moves them). A deliberate difference (README).
+        # give the usual 1/sqrt(head_dim) scale at init (training moves them). A deliberate difference (docs/gemma_bd.md).
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(('self_attn.q_norm.weight', 'self_attn.k_norm.weight')):

@@ -55,7 +55,7 @@ class Hybrid(nn.Module):
 
     The published Nemotron-Labs-Diffusion checkpoint does the same inside its remote code: it takes the CLEAN ids plus
     masked_indices, builds x_t with its own mask embedding and returns .logits (x_t) and .causal_logits (x_0).
-    Here x_t is built outside (mask_id's embedding row) and any causal HF backbone works; README."""
+    Here x_t is built outside (mask_id's embedding row) and any causal HF backbone works; docs/hybrid.md."""
 
     def __init__(self, model, softcap=0.0, compiled_ce=False):
         super().__init__()
@@ -89,7 +89,7 @@ def block_offsets(loss_mask, block_size, origin):
     block (i + offset) // block_size). 'absolute' (NeMo): blocks tile from position 0, offset 0. 'response': a block
     starts at each row's first supervised token s (offset = -s mod block_size), so the prompt is always a clean,
     causally encoded prefix: exactly what the nemotron sampler's KV cache holds when it decodes block by block
-    from the prompt's end (a deliberate difference from NeMo, README). make_batch passes block_size = L for
+    from the prompt's end (a deliberate difference from NeMo, docs/hybrid.md). make_batch passes block_size = L for
     hybrid's block_size 0, so 'response' makes the prompt one block and the response the other (the sampler with
     block_length = gen_length) and 'absolute' one block over the whole row (NeMo: MDLM next to an AR head)."""
     B, L = loss_mask.shape
@@ -176,7 +176,7 @@ def make_batch(examples, seeds, *, pad_id, eos_id, mask_id, eps, max_seq_len, bl
                            half_life_ratio=half_life_ratio, offset=offset)
     if fill_to:  # the EOS fill: a diffusion target (and counted as one), not an AR target (ar.py has no fill).
         # Unlike llada.py, which leaves the fill out of its denominator: here the fill would then weigh the
-        # diffusion term up against the AR term by (corrupted fill + answer) / answer, ~3x on `add` (README)
+        # diffusion term up against the AR term by (corrupted fill + answer) / answer, ~3x on `add` (docs/hybrid.md)
         lm = lm * (torch.arange(x0.shape[1])[None] < b['input_lengths'][:, None])
     ar_targets = torch.cat([x0[:, 1:], torch.full_like(x0[:, :1], pad_id)], 1)  # (B, L) position i predicts i+1
     ar_weights = torch.cat([lm[:, 1:], torch.zeros_like(lm[:, :1])], 1)
@@ -248,7 +248,7 @@ if __name__ == '__main__':
     pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
     supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
     eos_fill = 32  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length),
-    #                so the blocks after an answer's EOS stay in distribution (llada.py, README); 0 = off
+    #                so the blocks after an answer's EOS stay in distribution (llada.py; docs/llada.md); 0 = off
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
     n_layer = 4  # transformer layers (scratch)
@@ -264,7 +264,7 @@ if __name__ == '__main__':
     corruption = 'blockwise'  # 'blockwise': exactly round(m * len) [MASK]s per block, m per block (NeMo
     #                           corrupt_blockwise) | 'uniform': one t per row (llada.py; NeMo's Nemotron recipe)
     block_origin = 'response'  # where the block grid starts: 'response' (every response starts a block, as the
-    #                            sampler decodes) | 'absolute' (position 0, NeMo); README
+    #                            sampler decodes) | 'absolute' (position 0, NeMo); docs/hybrid.md
     half_life_ratio = 0.25  # blockwise corruption at small m: a slot's weight doubles every half_life_ratio * block_size
     #                         slots toward the block's end
     ar_loss_alpha = 0.3  # scales the DIFFUSION term despite its name: loss = alpha * L_diff + L_ar (NeMo AutoModel's

@@ -99,7 +99,7 @@ def make_batch(examples, seeds, *, pad_id, eos_id, mask_id, eps, max_seq_len, fi
         x0, lm = b['input_ids'], b['loss_mask']
         xt, noise, p = corrupt(x0, lm, mask_id=mask_id, eps=eps, seeds=seeds)
         if fill_to:  # the EOS fill is trained but not counted in the loss denominator (deliberate difference from
-            # LLaDA SFT): counted, it outnumbers the answer tokens and the answers learn far slower (README)
+            # LLaDA SFT): counted, it outnumbers the answer tokens and the answers learn far slower (docs/llada.md)
             lm = lm * (torch.arange(x0.shape[1])[None] < b['input_lengths'][:, None])
         return dict(input_ids=xt, targets=x0, weights=loss_weights(noise, p), loss_mask=lm, noise=noise)
     b = collate(examples, pad_id=pad_id, eos_id=eos_id, max_seq_len=max_seq_len)  # no fill, padding unsupervised
@@ -175,13 +175,13 @@ if __name__ == '__main__':
     pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
     supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
     eos_fill = 32  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length),
-    #                so a sampling canvas longer than the answer stays in distribution (README); 0 = off
+    #                so a sampling canvas longer than the answer stays in distribution (docs/llada.md); 0 = off
     pack = False  # pack several examples per row of max_seq_len (per-document attention) instead of padding
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
     n_layer = 4  # transformer layers (scratch)
     n_head = 8  # attention heads (scratch). 8 of 16 dims, not 4 of 32 (same parameters): on add the answer's last
-    # digits must find operand digits whose offset depends on the answer's length; more heads find it sooner (README)
+    # digits must find operand digits whose offset depends on the answer's length; more heads find it sooner (docs/llada.md)
     n_kv_head = 8  # key/value heads (scratch; < n_head = GQA)
     n_embd = 128  # hidden size (scratch)
     intermediate_size = 512  # MLP hidden size (scratch; 0 = 3 * n_embd)
@@ -190,7 +190,7 @@ if __name__ == '__main__':
     mask_id = -1  # [MASK] token id; -1 = from meta.json / the tokenizer (LLaDA 126336, LLaDA2.1 156895)
     eps = 0.1  # minimum mask probability: p = (1 - eps) * t + eps. LLaDA uses 1e-3 (config/llada_sft.py keeps it);
     # on a 5-token answer a row at p ~ 1e-3 puts one token of weight 1/p ~ 1000 in a 256-row batch and its gradient
-    # is the step. Capping 1/p at 10 is one of three changes after which every swept run left its plateau (README)
+    # is the step. Capping 1/p at 10 is one of three changes after which every swept run left its plateau (docs/llada.md)
     # optimizer
     learning_rate = 3e-3  # peak AdamW learning rate (3e-3 leaves the add plateau ~250 steps sooner than 2e-3)
     max_iters = 2000  # optimizer steps

@@ -598,7 +598,7 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
     everything; cleanup='all': a final forward then sets every canvas position to the argmax of x_θ (the official
     noise removal: NFE = steps + 1), meant to clean up the deliberate uniform noise; cleanup='mask': only positions
     still [MASK] would be set (none are left at s = 0, so the ancestral sample is the answer: NFE = steps). On our
-    tiny model 'all' costs accuracy (README: x_θ at visible positions is trained by the correction term only
+    tiny model 'all' costs accuracy (docs/scdd.md: x_θ at visible positions is trained by the correction term only
     until the posterior keeps the token, not to be the argmax).
     corrections=False: the paper's ablation (rebuttal/correction, `_disable_corrections`): a visible token keeps
       its value at every ancestral step (the draws are made as with corrections on and the visible ones dropped,

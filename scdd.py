@@ -133,7 +133,7 @@ def ratio_at(step, uniform_ratio, uniform_warmup):
     """The uniform_ratio trained at optimizer step `step` (0-based): ramped linearly, (step+1)/uniform_warmup of it,
     over the first uniform_warmup steps, then constant. Not in the paper or NeMo (they train at the full ratio from
     step 0): on the tiny add task, uniform noise from step 0 delays the step at which the task is learned by a
-    seed-dependent amount, sometimes past the budget (README, SCDD). A pure function of the step: resume replays it."""
+    seed-dependent amount, sometimes past the budget (docs/scdd.md). A pure function of the step: resume replays it."""
     return uniform_ratio * min(1.0, (step + 1) / uniform_warmup) if uniform_warmup > 0 else uniform_ratio
 
 
@@ -260,7 +260,7 @@ def make_batch(examples, seeds, times, *, pad_id, eos_id, mask_id, vocab_size, m
         x0, lm = b['input_ids'], b['loss_mask']
         xt, noise = corrupt(x0, lm, times, **kw)
         scored = lm.bool()
-        if fill_to:  # the EOS fill is trained but not counted in the loss denominator (as llada.py, README)
+        if fill_to:  # the EOS fill is trained but not counted in the loss denominator (as llada.py; docs/llada.md)
             lm = lm * (torch.arange(x0.shape[1])[None] < b['input_lengths'][:, None])
         return dict(input_ids=xt, targets=x0, times=times[:, None].expand(x0.shape).contiguous(), scored=scored,
                     loss_mask=lm, noise=noise)
@@ -344,7 +344,7 @@ if __name__ == '__main__':
     pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
     supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
     eos_fill = 0  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length);
-    #              off here (llada.py's default is 32): the SCDD results in the README were measured without it
+    #              off here (llada.py's default is 32): the SCDD results in docs/scdd.md were measured without it
     pack = False  # pack several examples per row of max_seq_len (per-document attention) instead of padding
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
@@ -361,7 +361,7 @@ if __name__ == '__main__':
     uniform_ratio = 0.1  # peak probability of a uniform (changed) token; 0 = MDLM masking
     schedule_shape = 1.0  # sharpness of the uniform bump c(t) = B t^a (1-t)^b, a + b = shape
     schedule_peak = 0.5  # time of the uniform bump's peak
-    uniform_warmup = 1000  # >0: uniform_ratio ramps up linearly over the first this-many steps (ratio_at; README)
+    uniform_warmup = 1000  # >0: uniform_ratio ramps up linearly over the first this-many steps (ratio_at; docs/scdd.md)
     chunk_size = 0  # positions per vocabulary chunk of the loss (0 = auto from the vocab size)
     # optimizer
     learning_rate = 2e-3  # peak AdamW learning rate
@@ -380,7 +380,7 @@ if __name__ == '__main__':
     temperature = 0.0  # x_θ = softmax(logits / temperature) in the posterior (0: the one-hot argmax)
     top_p = 1.0  # nucleus cut of x_θ before the posterior (1 = off; the paper's eval uses 0.9 at temperature 1)
     cleanup = 'mask'  # 'mask': the last ancestral sample is the answer (s = 0 leaves no [MASK]); 'all': the official
-    #                  final argmax over every position (+1 forward), which replaces good visible tokens here (README)
+    #                  final argmax over every position (+1 forward), which replaces good visible tokens here (docs/scdd.md)
     # system
     device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' ...
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'

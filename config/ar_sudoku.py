@@ -2,7 +2,7 @@
 # It is the DFlash target of config/dflash_tiny.py (and the model idlm.py converts): a long, fully determined
 # answer, so a drafter that reads the target's features can guess many tokens per block.
 # Launch:   python ar.py config/ar_sudoku.py
-# Expected: see the README table (held-out exact match, greedy with KV cache).
+# Expected: see docs/defaults.md (held-out exact match, greedy with KV cache).
 out_dir = 'out-ar-sudoku'
 dataset = 'sudoku'
 batch_size = 128

@@ -1,7 +1,7 @@
 # ar_tiny: the AR baseline on the embedded default's task and budget: a ~1.1M-parameter causal Qwen3 on synthetic
 # 3-digit addition (data/add), CPU. The number to put next to llada's.
 # Launch:   python ar.py config/ar_tiny.py
-# Expected: see the README table (held-out exact match, greedy with KV cache).
+# Expected: see docs/defaults.md (held-out exact match, greedy with KV cache).
 out_dir = 'out-ar'
 dataset = 'add'
 batch_size = 256

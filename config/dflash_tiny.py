@@ -4,7 +4,7 @@
 # 4x4 sudoku (data/sudoku: 16 digits + EOS per answer), CPU.
 # First:    python ar.py config/ar_sudoku.py          (the target, ~12 minutes)
 # Launch:   python dflash.py config/dflash_tiny.py
-# Expected: see the README table (acceptance length, tokens per target forward, speedup vs AR; greedy outputs equal
+# Expected: see docs/defaults.md (acceptance length, tokens per target forward, speedup vs AR; greedy outputs equal
 #           the target's).
 out_dir = 'out-dflash'
 target = 'out-ar-sudoku'

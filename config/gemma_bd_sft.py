@@ -1,7 +1,7 @@
 # gemma_bd_sft: NeMo AutoModel's DiffusionGemma SFT recipe (diffusion_gemma_sft.yaml) in
 # nanodlm terms, fine-tuning google/diffusiongemma-26B-A4B-it from a local directory.
 # Hardware: 8x H100/H200 80GB+, FSDP2 (encoder layer i and decoder layer i are one shard unit: they share weights),
-# bf16 autocast over fp32 master weights. NeMo also shards the experts (EP=8); nanodlm does not (README).
+# bf16 autocast over fp32 master weights. NeMo also shards the experts (EP=8); nanodlm does not (docs/limitations.md).
 # Data: single-turn chat JSONL prepared with the checkpoint's tokenizer first (gemma_bd.py prints this exact command
 # when it is not):
 #   python data/prepare.py --input_dir=data/mydata --tokenizer=/path/to/diffusiongemma-26B-A4B-it --max_seq_len=1024

@@ -2,7 +2,7 @@
 # top-2 next to a dense MLP; transformers' native DiffusionGemmaForBlockDiffusion) trained with uniform-token block
 # diffusion + the encoder AR loss on synthetic 3-digit addition (data/add, generated on first use), on a laptop CPU.
 # Launch:   python gemma_bd.py config/gemma_bd_tiny.py        (identical to plain `python gemma_bd.py`)
-# Expected: see the README table (held-out exact match on data/add/val with the gemma sampler).
+# Expected: see docs/defaults.md (held-out exact match on data/add/val with the gemma sampler).
 out_dir = 'out-gemma-bd'
 dataset = 'add'
 batch_size = 128

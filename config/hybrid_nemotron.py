@@ -11,7 +11,7 @@
 # blocks tiled from position 0 (NeMo). mask_id 100 is the Nemotron tokenizer's [MASK]: on another backbone use a
 # token id the tokenizer reserves and the data never contains. The published checkpoint
 # (nvidia/Nemotron-Labs-Diffusion-8B-Base) builds x_t inside its remote code from `masked_indices`; hybrid.py
-# builds x_t itself and needs only a model whose get_decoder() takes a 4-D mask and position ids (README).
+# builds x_t itself and needs only a model whose get_decoder() takes a 4-D mask and position ids (docs/hybrid.md).
 init_from = '/path/to/model'  # a local directory: nothing is downloaded
 out_dir = 'out-hybrid-nemotron'
 dataset = 'mydata'

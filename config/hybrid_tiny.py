@@ -2,7 +2,7 @@
 # (block diffusion on x_t + next-token prediction on x_0, one forward over [x_t | x_0]) on synthetic 3-digit addition
 # (data/add, generated on first use), on a laptop CPU.
 # Launch:   python hybrid.py config/hybrid_tiny.py        (identical to plain `python hybrid.py`)
-# Expected: see the README table (held-out exact match on data/add/val: nemotron sampler, and AR mode).
+# Expected: see docs/defaults.md (held-out exact match on data/add/val: nemotron sampler, and AR mode).
 out_dir = 'out-hybrid'
 dataset = 'add'
 batch_size = 256
@@ -20,7 +20,7 @@ eval_interval = 1000
 eos_fill = 32  # the EOS after an answer fills the rest of its block, as the sampler's canvas does
 block_size = 8  # one block holds the longest answer (4 digits + EOS) when it starts at the response
 corruption = 'blockwise'
-block_origin = 'response'  # blocks start at the response: the sampler's blocks (README)
+block_origin = 'response'  # blocks start at the response: the sampler's blocks (docs/hybrid.md)
 half_life_ratio = 0.25
 ar_loss_alpha = 0.3
 gen_length = 8  # one block

@@ -8,7 +8,7 @@
 #               --auto_balance_clean_loss=True
 # On addition (convert config/ar_tiny.py's out-ar): add --dataset=add --init_from=out-ar --gen_length=5 and
 # out_dir names of your choice.
-# Expected: see the README table (accuracy vs the AR model, ISD tokens per forward and wall clock per stage).
+# Expected: see docs/defaults.md (accuracy vs the AR model, ISD tokens per forward and wall clock per stage).
 out_dir = 'out-idlm-b1'
 init_from = 'out-ar-sudoku'
 dataset = 'sudoku'

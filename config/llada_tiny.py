@@ -1,7 +1,7 @@
 # llada_tiny: the embedded default, spelled out. A ~1.1M-parameter bidirectional Qwen3 trained as an MDLM on
 # synthetic 3-digit addition (data/add, generated on first use), on a laptop CPU.
 # Launch:   python llada.py config/llada_tiny.py        (identical to plain `python llada.py`)
-# Expected: see the README table (held-out exact match on data/add/val, greedy, one token per step).
+# Expected: see docs/defaults.md (held-out exact match on data/add/val, greedy, one token per step).
 out_dir = 'out-llada'
 dataset = 'add'
 batch_size = 256

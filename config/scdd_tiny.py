@@ -1,7 +1,7 @@
 # scdd_tiny: the embedded default, spelled out. llada_tiny's model, data and budget (a ~1.1M-parameter bidirectional
 # Qwen3 on synthetic 3-digit addition, data/add) trained with SCDD's mixed absorbing + uniform noise.
 # Launch:   python scdd.py config/scdd_tiny.py        (identical to plain `python scdd.py`)
-# Expected: see the README SCDD table (held-out exact match on data/add/val, scdd sampler, steps = gen_length).
+# Expected: see docs/scdd.md (held-out exact match on data/add/val, scdd sampler, steps = gen_length).
 out_dir = 'out-scdd'
 dataset = 'add'
 batch_size = 256
@@ -20,6 +20,6 @@ num_timesteps = 1000
 uniform_ratio = 0.1
 schedule_shape = 1.0
 schedule_peak = 0.5
-uniform_warmup = 1000  # the first half of the run ramps the uniform noise in (README: without it, seed 1 ends at 12 %)
+uniform_warmup = 1000  # the first half of the run ramps the uniform noise in (docs/scdd.md: without it, seed 1 ends at 12 %)
 gen_length = 5
 steps = 5

@@ -5,7 +5,7 @@ digit but guesses the last digits (exact match under 5 %); a run that leaves it 
 steps. Which side a run lands on was decided by float rounding (another machine, another thread count), so one run
 that learns proves little. This runs the default's first 700 steps (its data, model, optimizer, schedule and
 canvas; the run stops there) twice side by side, two seeds at one thread each, and needs both past a bar a stalled
-run never reaches. Planted: the previous default (eps 1e-3, 4 heads, lr 2e-3) fails it (README: Reliability; sweep.py
+run never reaches. Planted: the previous default (eps 1e-3, 4 heads, lr 2e-3) fails it (docs/defaults.md; sweep.py
 measures the full default as a distribution).
 Run: python -m pytest -q tests/test_learns.py"""
 import os

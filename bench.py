@@ -7,6 +7,8 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py --only=scdd_loss     # SCDD's loss path (vocabulary chunks, gradients in forward) vs llada's fused CE
     python bench.py --only=train         # one llada training step vs a naive full-logits step
     python bench.py --only=pack --V=50304 --T=512   # llada step on mixed-length chat: packed rows vs padded rows
+    python bench.py --only=ckpt          # one llada step with activation checkpointing vs without (long rows, where
+                                         # activations dominate): peak memory and step time as ratios
     python bench.py --only=sample        # llada decoding: reference vs threshold vs prefix / dual KV cache, and
                                          # at batch 1 the reference setting vs a plain twin of LLaDA's loop
     python bench.py --only=sample --checkpoint=out-llada-sudoku --val=data/sudoku/val.jsonl --threshold=0.9,0.999
@@ -233,6 +235,58 @@ def step_table(results):
 
 def train_need_mib(variant, args):
     return (5 if variant == 'naive_step' else 0.5) * args.B * args.T * args.V * 4 / 2**20
+
+
+# -----------------------------------------------------------------------------
+# ckpt: one llada training step with every transformer block checkpointed (hf.checkpoint_layers: activations
+# recomputed in backward) vs the same step storing them; long rows and a small vocabulary, so the blocks'
+# activations, not the LM head, dominate the peak
+
+CKPT_VARIANTS = ['plain_step', 'checkpointed_step']
+
+
+def ckpt_child(variant, args):
+    import llada
+    torch.manual_seed(0)
+    V, B, T = args.ckpt_V, args.B, args.ckpt_T
+    model = hf.build_model('scratch', vocab_size=V, n_layer=args.ckpt_layers, n_head=4, n_kv_head=4, n_embd=args.d,
+                           intermediate_size=4 * args.d, max_seq_len=T).train()
+    if variant == 'checkpointed_step':
+        hf.checkpoint_layers(model)
+    x0 = torch.randint(V - 1, (B, T))  # (B, T) clean tokens; id V-1 is the mask
+    lm = torch.ones(B, T)
+    lm[:, :T // 4] = 0  # a prompt quarter, never corrupted
+    xt, noise, p = llada.corrupt(x0, lm, mask_id=V - 1, eps=1e-3, seeds=torch.arange(B))
+    w, n_sup = llada.loss_weights(noise, p), lm.sum()
+    mdlm = llada.MDLM(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        ce, _ = mdlm(xt, x0, w)
+        (ce / n_sup).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    r = _measure(step, args.iters)
+    r['tok_s'] = B * T / r['s']
+    return r
+
+
+def ckpt_report(results, args):
+    print(f"ckpt: one llada step (forward+backward+AdamW), {args.ckpt_layers} layers, d={args.d}, V={args.ckpt_V}, "
+          f"B={args.B} x T={args.ckpt_T}, fp32, median of {args.iters}, {torch.get_num_threads()} threads")
+    ref = results.get('plain_step')
+    ok = ref is not None and 'error' not in ref
+    header = "| variant | s/step | tokens/s | peak MiB above baseline | step time vs plain | memory vs plain |"
+    for v, r in measured(results, header):
+        slow = f"{r['s'] / ref['s']:.2f}x" if ok else '-'
+        mem = f"{r['mib'] / ref['mib']:.3f}" if ok and ref['mib'] > 0 else '-'
+        print(f"| {v} | {r['s']:.2f} | {r['tok_s']:,.0f} | {r['mib']:.0f} | {slow} | {mem} |")
+
+
+def ckpt_need_mib(variant, args):  # ~20 fp32 activations of width d per token per layer, stored (plain) or one layer's
+    per_layer = 20 * args.B * args.ckpt_T * args.d * 4 / 2**20
+    return per_layer * (args.ckpt_layers if variant == 'plain_step' else 2)
 
 
 # -----------------------------------------------------------------------------
@@ -833,7 +887,7 @@ def idlm_need_mib(variant, args):
 # there (it has no CPU backward). Each check runs in its own subprocess: its own peak memory, compile caches and
 # process group. A check passes when it returns ok; a check that raises is a FAIL row with the exception.
 
-GPU_CHECKS = ['flex', 'bf16', 'compile', 'fsdp', 'mfu']
+GPU_CHECKS = ['flex', 'bf16', 'compile', 'fsdp', 'fsdp_checkpointed', 'mfu']
 # max |a - b| / max |b|: fp32 kernels that only sum in another order; bf16 (8-bit mantissa) vs fp32
 GPU_TOL = {'fp32': 1e-3, 'bf16': 2e-2}
 
@@ -983,10 +1037,12 @@ def gpu_compile(args):
                     f"grads max rel err {e_grad:.1e}, tol {tol:.0e}"}
 
 
-def gpu_fsdp(args):
+def gpu_fsdp(args, checkpointed=False):
     """FSDP2 on a world of 1 (nccl on CUDA, gloo on CPU), sharded as llada.py --fsdp shards: one clipped AdamW step
     vs the same step unsharded. Compares loss, grads and the parameter updates (AdamW's first update is about
-    lr·sign(grad), so the grads are what catch a scaled loss)."""
+    lr·sign(grad), so the grads are what catch a scaled loss). checkpointed: as llada.py --fsdp
+    --activation_checkpointing --compile runs it (blocks checkpointed, then the decoder compiled, then sharded)
+    against the plain eager unsharded step."""
     import copy
     import socket
     import llada
@@ -1000,7 +1056,7 @@ def gpu_fsdp(args):
         torch.cuda.set_device(0)
     dist.init_process_group('nccl' if cuda else 'gloo', rank=0, world_size=1, init_method=f'tcp://127.0.0.1:{port}')
     try:
-        device, _, model, batch, mask, attn = _gpu_model(args)
+        device, toy, model, batch, mask, attn = _gpu_model(args)
         p0 = {n: p.detach().clone() for n, p in llada.MDLM(model).named_parameters()}
         full = lambda t: t.full_tensor() if hasattr(t, 'full_tensor') else t
 
@@ -1012,13 +1068,18 @@ def gpu_fsdp(args):
             return loss, grads, norm, {n: full(p).detach() - p0[n] for n, p in mdlm.named_parameters()}
 
         lr_, gr, nr, ur = step(llada.MDLM(copy.deepcopy(model)))  # the unsharded reference
+        backend = _compile_backend(device, toy)
+        if checkpointed:
+            hf.checkpoint_layers(model.train())
+            model.get_decoder().compile(backend=backend)
         for layer in hf.shard_units(model):
             fully_shard(layer)
         mdlm = fully_shard(llada.MDLM(model))  # the root: embeddings, final norm, the tied LM head
         ls, gs, ns, us = step(mdlm)
         e_loss, e_grad, e_upd, tol = _rel_err(ls, lr_), _worst(gs, gr), _worst(us, ur), GPU_TOL['fp32']
         return {'ok': max(e_loss, e_grad, e_upd, _rel_err(ns, nr)) <= tol,
-                'info': f"{dist.get_backend()}, {len(hf.shard_units(model))} blocks + root sharded, {attn}: "
+                'info': f"{dist.get_backend()}, {len(hf.shard_units(model))} blocks + root sharded, {attn}"
+                        f"{f', blocks checkpointed, decoder compiled ({backend})' if checkpointed else ''}: "
                         f"loss {ls:.5f} vs unsharded {lr_:.5f} (rel err {e_loss:.1e}), "
                         f"grad norm {ns:.4f} vs {nr:.4f}, "
                         f"grads max rel err {e_grad:.1e}, AdamW updates max rel err {e_upd:.1e}, tol {tol:.0e}"}
@@ -1091,7 +1152,8 @@ def gpu_mfu(args):
 
 
 def gpu_child(check, args):
-    return {'flex': gpu_flex, 'bf16': gpu_bf16, 'compile': gpu_compile, 'fsdp': gpu_fsdp, 'mfu': gpu_mfu}[check](args)
+    return {'flex': gpu_flex, 'bf16': gpu_bf16, 'compile': gpu_compile, 'fsdp': gpu_fsdp,
+            'fsdp_checkpointed': lambda a: gpu_fsdp(a, checkpointed=True), 'mfu': gpu_mfu}[check](args)
 
 
 def gpu_report(results, args):
@@ -1118,6 +1180,7 @@ SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'scdd_loss': (SCDD_VARIANTS, scdd_child, scdd_report, scdd_need_mib),
             'train': (TRAIN_VARIANTS, train_child, train_report, train_need_mib),
             'pack': (PACK_VARIANTS, pack_child, pack_report, pack_need_mib),
+            'ckpt': (CKPT_VARIANTS, ckpt_child, ckpt_report, ckpt_need_mib),
             'sample': (sample_variants, sample_child, sample_report, sample_need_mib),
             'nemotron': (NEMOTRON_VARIANTS, nemotron_child, nemotron_report, nemotron_need_mib),
             'gemma': (GEMMA_VARIANTS, gemma_child, gemma_report, gemma_need_mib),
@@ -1149,6 +1212,9 @@ def parse_args(argv=None):
     p.add_argument('--B', type=int, default=8, help='train: sequences per batch')
     p.add_argument('--T', type=int, default=256, help='train: sequence length')
     p.add_argument('--n_layer', type=int, default=4, help='train: transformer layers')
+    p.add_argument('--ckpt_T', type=int, default=1024, help='ckpt: sequence length')
+    p.add_argument('--ckpt_layers', type=int, default=8, help='ckpt: transformer layers')
+    p.add_argument('--ckpt_V', type=int, default=512, help='ckpt: vocabulary size (small: the blocks dominate)')
     p.add_argument('--iters', type=int, default=3, help='timed iterations after one warm-up')
     p.add_argument('--checkpoint', default='out-llada', help='sample: a trained llada out_dir')
     p.add_argument('--val', default='data/add/val.jsonl', help='sample: chat JSONL prompts with answers')

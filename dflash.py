@@ -40,13 +40,14 @@ import torch.nn as nn
 # (Qwen3Config + block_size + dflash_config) loads with from_pretrained and computes what its remote code computes
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3Config, Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm,
                                                       Qwen3RotaryEmbedding, rotate_half)
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import hf
 import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
                       resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval, corruption_seeds,
-                      check_mask_id, answer_rows, exact_match, causal_lm_error)
+                      check_mask_id, answer_rows, exact_match, causal_lm_error, checkpoint_activations)
 from data.loader import collate
 
 FAMILY = 'dflash'  # the family's name, in ckpt.pt and meta.json: a resume checks it, sample.py picks the sampler
@@ -118,8 +119,10 @@ class DFlashAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, Q, -1))
 
 
-class DFlashDecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP, as a Qwen3 layer; the same fused context goes to every layer."""
+class DFlashDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm attention + SwiGLU MLP, as a Qwen3 layer; the same fused context goes to every layer. A
+    GradientCheckpointingLayer (an nn.Module whose forward can be recomputed in backward) like transformers' own
+    blocks, so --activation_checkpointing reaches the draft (hf.checkpoint_layers)."""
 
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -389,6 +392,8 @@ if __name__ == '__main__':
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
     compile = False  # torch.compile the draft layers and the chunked CE (worth it on GPU; ~20 s cold start on CPU)
     fsdp = False  # shard the draft with FSDP2 (fully_shard) instead of DDP when launched with torchrun
+    activation_checkpointing = False  # recompute the draft's blocks (the frozen target keeps no activations) in backward instead of storing
+    #                                   its activations: far less memory for ~1/3 more compute (long GPU runs)
     seed = 1337  # data order, anchors and init all derive from it
     # -------------------------------------------------------------------------
     import configurator
@@ -525,6 +530,8 @@ if __name__ == '__main__':
            f'{mask_id}, world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = {global_batch} '
            f'examples/step')
 
+    if activation_checkpointing:  # before compile and FSDP: each block's recompute stays inside its unit
+        checkpoint_activations(raw_model)
     if compile:
         for layer in draft.layers:
             layer.compile()  # in place: state_dict keys keep their names (no _orig_mod.)
@@ -603,6 +610,7 @@ if __name__ == '__main__':
     log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
     saver = Saver(ckpt_interval, ckpt_interval_min, device)  # periodic saves, and SIGINT/SIGTERM: save, then exit
     metrics, step, t0 = {}, start_step, time.time()
+    net.train()  # from_pretrained loads in eval mode; activation checkpointing acts in train mode only
     while step < max_iters:
         lr = get_lr(step, learning_rate=learning_rate, min_lr=min_lr, warmup_iters=warmup_iters,
                     lr_decay_iters=lr_decay_iters)

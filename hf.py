@@ -8,6 +8,7 @@ Everything the family scripts and sample.py need from the transformers API:
     load_pretrained    a model directory for sampling (eval mode, on a device, in a dtype)
     last_hidden_state  the final (post-norm) hidden states the chunked CE consumes, (B, T, C)
     shard_units        the transformer blocks FSDP2 shards one by one
+    checkpoint_layers  activation checkpointing: every transformer block recomputes its forward in backward
     attention_mask     a kernels.py mask_mod -> what the model's attention backend takes: a flex_attention
                        BlockMask when the model runs flex (CUDA), a dense bool (B, 1, Q, K) mask for SDPA (CPU)
     forward            logits of a forward with a mask, position ids, logits_to_keep and a KV cache
@@ -22,6 +23,7 @@ import inspect
 import os
 
 import torch
+import torch.utils.checkpoint
 
 import kernels
 
@@ -180,6 +182,25 @@ def shard_units(model):
         groups[hit].append(m)
         owner.update({id(p): hit for p in m.parameters()})
     return [g[0] if len(g) == 1 else g for g in groups]
+
+
+def checkpoint_layers(model):
+    """Activation checkpointing: every transformer block of model keeps only its inputs in forward and recomputes
+    the rest in backward (torch.utils.checkpoint, non-reentrant), through transformers' own switch on its
+    GradientCheckpointingLayer blocks. They checkpoint forward, not __call__, so FSDP2's hooks stay outside the
+    recompute (a block is gathered once per backward, inside its FSDP unit) and torch.compile traces it; they drop
+    a KV cache while training, and run as is without grad (eval and sampling are unchanged) or in eval mode (so
+    call model.train()). -> the number of blocks checkpointed; a model without such blocks (remote code that
+    predates them, e.g. LLaDA-8B's modeling_llada.py) is a ValueError."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not blocks:
+        raise ValueError(f'{type(model).__name__} has no transformers GradientCheckpointingLayer blocks: activation '
+                         f'checkpointing needs them (a native transformers model, or remote code built on them)')
+    recompute = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    for m in blocks:  # what PreTrainedModel.activation_checkpointing_enable sets, without its input-grad hook
+        m.gradient_checkpointing, m._gradient_checkpointing_func = True, recompute
+    return len(blocks)
 
 
 def uses_flex(model):

@@ -31,7 +31,7 @@ import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered,
                       adamw, full_state, resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval,
-                      corruption_seeds, fill_length, answer_rows, exact_match)
+                      corruption_seeds, fill_length, answer_rows, exact_match, checkpoint_activations)
 from data.loader import collate, pack as pack_rows
 
 FAMILY = 'llada'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -211,6 +211,8 @@ if __name__ == '__main__':
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
     compile = False  # torch.compile the decoder and the chunked CE (worth it on GPU; ~20 s cold start on CPU)
     fsdp = False  # shard with FSDP2 (fully_shard) instead of DDP when launched with torchrun
+    activation_checkpointing = False  # recompute each transformer block in backward instead of storing
+    #                                   its activations: far less memory for ~1/3 more compute (long GPU runs)
     seed = 1337  # data order, corruption and init all derive from it
     # -------------------------------------------------------------------------
     import configurator
@@ -271,6 +273,8 @@ if __name__ == '__main__':
     n_params = sum(p.numel() for p in raw_model.parameters())
     print0(f'model: {n_params / 1e6:.2f}M parameters, vocab {vocab}, mask_id {mask_id}, '
            f'world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = {global_batch} examples/step')
+    if activation_checkpointing:  # before compile and FSDP: each block's recompute stays inside its unit
+        checkpoint_activations(raw_model)
     if compile:
         raw_model.get_decoder().compile()  # in place: state_dict keys keep their names (no _orig_mod.)
     train_model, fsdp_units = wrap(net, hf.shard_units(raw_model) if fsdp else [], fsdp=fsdp,
@@ -339,6 +343,7 @@ if __name__ == '__main__':
     log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
     saver = Saver(ckpt_interval, ckpt_interval_min, device)  # periodic saves, and SIGINT/SIGTERM: save, then exit
     metrics, step, t0 = {}, start_step, time.time()
+    net.train()  # from_pretrained loads in eval mode; activation checkpointing acts in train mode only
     while step < max_iters:
         lr = get_lr(step, learning_rate=learning_rate, min_lr=min_lr, warmup_iters=warmup_iters,
                     lr_decay_iters=lr_decay_iters)

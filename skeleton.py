@@ -412,6 +412,17 @@ def wrap(module, units, *, fsdp, device_type, local_rank):
     return DDP(module, device_ids=[local_rank] if device_type == 'cuda' else None), []
 
 
+def checkpoint_activations(model):
+    """activation_checkpointing=True: every transformer block of the HF model recomputes its forward in backward
+    (hf.checkpoint_layers). Call it before compile and wrap. A model that cannot is one line, exit 2."""
+    import hf
+    try:
+        n = hf.checkpoint_layers(model)
+    except ValueError as e:
+        fail(f'activation_checkpointing: {e}', 2)
+    print0(f'activation checkpointing: {n} blocks recompute their forward in backward')
+
+
 @contextmanager
 def gathered(units):
     """Every FSDP unit gathered whole for the block and kept so, then resharded: the one FSDP-safe way to run an

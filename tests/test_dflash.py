@@ -403,3 +403,15 @@ def test_regeneration_refuses_to_mix_inputs_or_settings(tmp_path):
         regenerate_answers(target, tok, str(a), str(a), **kw)
     assert out.read_text() == before
     assert regenerate_answers(target, tok, str(a), str(out), **kw) == 0  # the same one: nothing left to do
+
+
+def test_activation_checkpointing_reaches_the_draft():
+    # the draft's blocks are GradientCheckpointingLayers: with --activation_checkpointing the same loss and draft
+    # gradients, bit for bit, with a fraction of the activations kept (a block that ignored the switch keeps all)
+    from test_hf import grads_with_and_without_checkpointing
+    target = tiny_target()
+    x0, kv, lm, a, keep = batch()
+    loss_fn = lambda draft: dflash.DFlash(draft, target, weights=dflash.decay_weights(4, 2.0))(x0, kv, a, keep, lm)[0]
+    n, ((g0, b0, l0), (g1, b1, l1)) = grads_with_and_without_checkpointing(tiny_draft(target), loss_fn)
+    assert n == 2 and l0 == l1 and g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+    assert b1 < 0.7 * b0, (b0, b1)

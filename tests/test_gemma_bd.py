@@ -390,3 +390,19 @@ def test_export_round_trips_through_from_pretrained(tiny, tmp_path):
     torch.manual_seed(0)
     out = back.generate(x, max_new_tokens=4, max_denoising_steps=3, eos_token_id=EOS, pad_token_id=PAD)
     assert out.sequences.shape == (1, 8)
+
+
+def test_activation_checkpointing_same_loss_and_gradients(tiny):
+    # both passes (encoder rows and canvas) through checkpointed blocks: the same loss and gradients bit for bit,
+    # fewer activations kept (a switch that missed DiffusionGemma's blocks would keep them all)
+    from test_hf import grads_with_and_without_checkpointing
+    mb = batch()
+    mask = G.attention_for(tiny, mb, 'cpu', 4)
+    loss_fn = lambda m: G.BlockDiffusion(m)(mb['x0'], mb['enc_weights'], mb['canvas'], mb['targets'], mb['weights'],
+                                            mb['canvas_pos'], mask, torch.ones(3, dtype=torch.bool))[0].sum()
+    try:
+        n, ((g0, b0, l0), (g1, b1, l1)) = grads_with_and_without_checkpointing(tiny, loss_fn)
+    finally:
+        tiny.eval().zero_grad(set_to_none=True)
+    assert n >= 2 and l0 == l1 and g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+    assert b1 < 0.7 * b0, (b0, b1)

@@ -157,3 +157,62 @@ def test_last_hidden_state_fallback_matches_the_base_model():
     assert torch.allclose(native, hf.last_hidden_state(model, x), atol=1e-6)
     with pytest.raises(ValueError, match='custom masks'):
         hf.last_hidden_state(model, x, position_ids=torch.arange(12)[None])
+
+
+# -----------------------------------------------------------------------------
+# activation checkpointing
+
+
+def saved_bytes(fn):
+    """(fn(), bytes autograd saved for backward while fn ran, outside any checkpointed region)."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+def grads_with_and_without_checkpointing(model, loss_fn):
+    """Gradients and saved bytes of loss_fn(model) for model as is and for a copy with checkpointed blocks."""
+    import copy
+    ckpt = copy.deepcopy(model)
+    n = hf.checkpoint_layers(ckpt)
+    out = []
+    for m in (model, ckpt):
+        m.train()
+        loss, nbytes = saved_bytes(lambda: loss_fn(m))
+        loss.backward()
+        out.append(({k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}, nbytes, loss.item()))
+    return n, out
+
+
+@pytest.mark.parametrize('bidirectional,model_type', [(True, 'qwen3'), (False, 'qwen3'), (True, 'llama')])
+def test_activation_checkpointing_same_gradients_less_saved(bidirectional, model_type):
+    # recomputing each block in backward gives the same loss and gradients, bit for bit on CPU, and autograd keeps
+    # a fraction of the activations (a no-op switch would keep them all); eval under no_grad is unaffected
+    torch.manual_seed(0)
+    model = hf.build_model('scratch', vocab_size=V, model_type=model_type, n_layer=3, n_head=2, n_kv_head=1,
+                           n_embd=32, intermediate_size=64, max_seq_len=128, bidirectional=bidirectional)
+    x = torch.randint(0, V - 2, (3, 24))
+    mask = key_valid(3, 24).long()
+    loss_fn = lambda m: torch.nn.functional.cross_entropy(
+        m(input_ids=x, attention_mask=mask).logits.flatten(0, 1), x.roll(-1, 1).flatten())
+    n, ((g0, b0, l0), (g1, b1, l1)) = grads_with_and_without_checkpointing(model, loss_fn)
+    assert n == 3 and l0 == l1
+    assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0), 'gradients differ'
+    assert b1 < 0.5 * b0, (b0, b1)
+    if not bidirectional:  # a cached decode (the samplers' path) in train mode is unchanged by the switch
+        hf.checkpoint_layers(model)
+        with torch.no_grad():
+            cache = hf.new_cache()
+            a = hf.forward(model, x[:, :20], mask=mask[:, :20], cache=cache)
+            b = hf.forward(model, x[:, 20:], mask=mask, cache=cache)
+            assert torch.allclose(torch.cat([a, b], 1), hf.forward(model, x, mask=mask), atol=1e-5)
+
+
+def test_activation_checkpointing_refuses_a_model_without_blocks():
+    with pytest.raises(ValueError, match='GradientCheckpointingLayer'):
+        hf.checkpoint_layers(torch.nn.Sequential(torch.nn.Linear(4, 4)))

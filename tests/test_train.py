@@ -207,13 +207,28 @@ def test_bad_inputs_fail_with_one_line(data_dir, tmp_path):
         assert r.returncode == code and len(lines) == 1 and msg in lines[0], (args, r.returncode, r.stderr[-2000:])
 
 
+def test_activation_checkpointing_changes_no_number(trained, data_dir, tmp_path, request):
+    # the first steps of the trained run again with every block recomputed in backward: the same losses and gradient
+    # norms (the LR schedule held to the 40-step run's); the run says how many blocks it checkpointed
+    script, out, _ = trained
+    ac = str(tmp_path / 'ac')
+    r = run(script, f'--data_dir={data_dir}', f'--out_dir={ac}', '--max_iters=3', '--lr_decay_iters=40',
+            '--learning_rate=1e-2', *TINY, *extra(script, request, convert=True), '--eval_samples=0',
+            '--activation_checkpointing=True')
+    assert re.search(r'activation checkpointing: [1-9]\d* blocks', r.stdout), r.stdout[-2000:]
+    with open(os.path.join(out, 'log.txt')) as f, open(os.path.join(ac, 'log.txt')) as g:
+        plain, ckpt = (re.findall(r'^step (\d+) \| (loss \S+ \| grad_norm \S+)', h.read(), re.M)[:3] for h in (f, g))
+    assert len(ckpt) == 3 and ckpt == plain, (plain, ckpt)
+
+
 ONE_RANK = {}  # script -> out_dir of its 1-process run with 4 accumulation steps
 
 
 @pytest.mark.parametrize('script,fsdp', [('llada.py', False), ('llada.py', True), ('scdd.py', False),
                                          ('scdd.py', True), ('hybrid.py', False), ('hybrid.py', True),
                                          ('gemma_bd.py', False), ('gemma_bd.py', True), ('dflash.py', False),
-                                         ('dflash.py', True), ('idlm.py', False), ('idlm.py', True)])
+                                         ('dflash.py', True), ('idlm.py', False), ('idlm.py', True),
+                                         ('gemma_bd.py', 'checkpointed')])
 def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, fsdp, request):
     # 4 accumulation steps in total: 2 micro-steps per rank, so the gradient-sync toggle matters (sync only on the
     # last micro-step; DDP reads require_backward_grad_sync in forward, FSDP2 its flag in backward). One micro-step
@@ -224,7 +239,10 @@ def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, 
     if script not in ONE_RANK:  # the 1-process reference is the same run for DDP and FSDP2 (--fsdp needs torchrun)
         ONE_RANK[script] = str(request.getfixturevalue('tmp_path_factory').mktemp('one') / 'out')
         run(script, f'--out_dir={ONE_RANK[script]}', *common)
-    run(script, f'--out_dir={b}', *common, f'--fsdp={fsdp}', nproc=2)
+    # 'checkpointed': FSDP2 with activation checkpointing inside each unit (gemma_bd: encoder and decoder blocks
+    # share one unit), against the plain 1-process run
+    ac = ['--activation_checkpointing=True'] if fsdp == 'checkpointed' else []
+    run(script, f'--out_dir={b}', *common, f'--fsdp={bool(fsdp)}', *ac, nproc=2)
     ca, cb = ckpt(ONE_RANK[script]), ckpt(b)
     # the loss and the gradient norm see every token of the global batch with the global denominator
     assert abs(ca['metrics']['loss'] - cb['metrics']['loss']) < 1e-5 * ca['metrics']['loss']

@@ -1,0 +1,19 @@
+"""bench.py sections that run on any machine, at a tiny size: they cannot rot. The numbers are measured by running
+the section at its default size (docs/benchmarks.md), never asserted here.
+Run: python -m pytest -q tests/test_bench.py"""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_ckpt_section_runs_both_variants():
+    r = subprocess.run([sys.executable, 'bench.py', '--only=ckpt', '--ckpt_T=64', '--B=2', '--ckpt_layers=2', '--d=32',
+                        '--iters=1'], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = re.findall(r'^\| (plain_step|checkpointed_step) \| [\d.]+ \| [\d,]+ \| \d+ \| [\d.]+x \| [\d.]+ \|$', r.stdout,
+                      re.M)
+    assert rows == ['plain_step', 'checkpointed_step'], r.stdout

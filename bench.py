@@ -1190,6 +1190,12 @@ SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'idlm': (IDLM_VARIANTS, idlm_child, idlm_report, idlm_need_mib),
             'gpu': (GPU_CHECKS, gpu_child, gpu_report, gpu_need_mib)}
 
+# the sections that decode a trained checkpoint: (its argument, the script that trains it). Run by name (--only),
+# a missing one is an error; in a run of every section it is a 'skipped' row
+CHECKPOINT_OF = {'sample': ('checkpoint', 'llada.py'), 'nemotron': ('hybrid_checkpoint', 'hybrid.py'),
+                 'gemma': ('gemma_checkpoint', 'gemma_bd.py'), 'dflash': ('dflash_checkpoint', 'dflash.py'),
+                 'idlm': ('idlm_checkpoint', 'idlm.py')}
+
 # -----------------------------------------------------------------------------
 
 def _mem_available_mib():
@@ -1258,6 +1264,12 @@ def main():
     if unknown:
         print(f"error: --only: unknown section {unknown[0]!r} (have {', '.join(SECTIONS)})", file=sys.stderr)
         return 2
+    for s in sections if args.only else []:  # asked for by name: a missing checkpoint would measure nothing
+        key, script = CHECKPOINT_OF.get(s, (None, None))
+        if key and not os.path.isdir(getattr(args, key)):
+            print(f"error: --{key}: no checkpoint {getattr(args, key)!r} for section {s!r} (train one: python "
+                  f"{script}, or pass --{key}=<out_dir>)", file=sys.stderr)
+            return 2
     failed = False
     for s in sections:
         variants, _, report, need_mib = SECTIONS[s]

@@ -201,8 +201,8 @@ def build_draft(target_config, *, n_layer, n_head, n_kv_head, n_embd, intermedia
 class DFlash(nn.Module):
     """The draft and its loss in one forward, so DDP/FSDP hooks see a single call per micro-step. The frozen
     target is held outside the module tree (not a submodule: DDP/FSDP and the optimizer see the draft only, and the
-    target is replicated on every rank, not sharded: a limitation, docs/limitations.md); it runs once per sequence under no_grad
-    and lends its embeddings and LM head."""
+    target is replicated on every rank, not sharded: a limitation, docs/limitations.md); it runs once per sequence
+    under no_grad and lends its embeddings and LM head."""
 
     def __init__(self, draft, target, *, weights, compiled_ce=False):
         super().__init__()
@@ -313,6 +313,10 @@ def family_settings_error(c):
         return f"block_size={c['block_size']} must be >= 2 (the anchor + at least one drafted token)"
     if c['num_blocks_per_sample'] < 1:
         return f"num_blocks_per_sample={c['num_blocks_per_sample']} must be >= 1"
+    if c['num_blocks_per_sample'] > c['max_seq_len']:  # anchors are distinct positions: the rest would be padding
+        #                                                blocks, computed for no loss (1,000 at 64: ~300x the step)
+        return (f"num_blocks_per_sample={c['num_blocks_per_sample']} exceeds max_seq_len={c['max_seq_len']}: a "
+                f"sequence has at most that many anchors")
     if c['loss_decay_gamma'] < 0:
         return f"loss_decay_gamma={c['loss_decay_gamma']} must be >= 0 (0: the paper's default for the block size)"
     if c['mask_id'] < -1:
@@ -392,8 +396,8 @@ if __name__ == '__main__':
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
     compile = False  # torch.compile the draft layers and the chunked CE (worth it on GPU; ~20 s cold start on CPU)
     fsdp = False  # shard the draft with FSDP2 (fully_shard) instead of DDP when launched with torchrun
-    activation_checkpointing = False  # recompute the draft's blocks (the frozen target keeps no activations) in backward instead of storing
-    #                                   its activations: far less memory for ~1/3 more compute (long GPU runs)
+    activation_checkpointing = False  # recompute the draft's blocks in backward instead of storing their
+    #                                   activations: less memory for ~1/3 more compute (the target keeps none)
     seed = 1337  # data order, anchors and init all derive from it
     # -------------------------------------------------------------------------
     import configurator
@@ -558,7 +562,7 @@ if __name__ == '__main__':
     n_acc = min(eval_samples, len(val_ds))
     if eval_iters == 0:
         print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = answer_rows(val_ds, n_acc, tokenizer)  # (prompt ids, reference answer) of the first n_acc
+    acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
 
     @torch.no_grad()
     def accuracy():

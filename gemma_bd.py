@@ -473,7 +473,7 @@ if __name__ == '__main__':
         print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
     if eval_iters == 0:
         print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = answer_rows(val_ds, n_acc, tokenizer)  # (prompt ids, reference answer) of the first n_acc
+    acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
 
     sampler_opts = dict(gen_length=gen_length, block_length=block_size, steps=steps, t_max=t_max, t_min=t_min,
                         entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,

@@ -299,7 +299,7 @@ if __name__ == '__main__':
     n_acc = min(eval_samples, len(val_ds))
     if eval_iters == 0:
         print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = answer_rows(val_ds, n_acc, tokenizer)  # (prompt ids, reference answer) of the first n_acc
+    acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
 
     @torch.no_grad()
     def accuracy():

@@ -181,7 +181,8 @@ if __name__ == '__main__':
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
     n_layer = 4  # transformer layers (scratch)
     n_head = 8  # attention heads (scratch). 8 of 16 dims, not 4 of 32 (same parameters): on add the answer's last
-    # digits must find operand digits whose offset depends on the answer's length; more heads find it sooner (docs/llada.md)
+    # digits must find operand digits whose offset depends on the answer's length; more heads find
+    # it sooner (docs/llada.md)
     n_kv_head = 8  # key/value heads (scratch; < n_head = GQA)
     n_embd = 128  # hidden size (scratch)
     intermediate_size = 512  # MLP hidden size (scratch; 0 = 3 * n_embd)
@@ -190,7 +191,8 @@ if __name__ == '__main__':
     mask_id = -1  # [MASK] token id; -1 = from meta.json / the tokenizer (LLaDA 126336, LLaDA2.1 156895)
     eps = 0.1  # minimum mask probability: p = (1 - eps) * t + eps. LLaDA uses 1e-3 (config/llada_sft.py keeps it);
     # on a 5-token answer a row at p ~ 1e-3 puts one token of weight 1/p ~ 1000 in a 256-row batch and its gradient
-    # is the step. Capping 1/p at 10 is one of three changes after which every swept run left its plateau (docs/llada.md)
+    # is the step. Capping 1/p at 10 is one of three changes after which every swept run left its
+    # plateau (docs/llada.md)
     # optimizer
     learning_rate = 3e-3  # peak AdamW learning rate (3e-3 leaves the add plateau ~250 steps sooner than 2e-3)
     max_iters = 2000  # optimizer steps
@@ -300,7 +302,7 @@ if __name__ == '__main__':
         print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
     if eval_iters == 0:
         print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = answer_rows(val_ds, n_acc, tokenizer)  # (prompt ids, reference answer) of the first n_acc
+    acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
 
     @torch.no_grad()
     def accuracy():

@@ -380,7 +380,8 @@ if __name__ == '__main__':
     temperature = 0.0  # x_θ = softmax(logits / temperature) in the posterior (0: the one-hot argmax)
     top_p = 1.0  # nucleus cut of x_θ before the posterior (1 = off; the paper's eval uses 0.9 at temperature 1)
     cleanup = 'mask'  # 'mask': the last ancestral sample is the answer (s = 0 leaves no [MASK]); 'all': the official
-    #                  final argmax over every position (+1 forward), which replaces good visible tokens here (docs/scdd.md)
+    #                  final argmax over every position (+1 forward), which replaces good visible tokens here
+    #                  (docs/scdd.md)
     # system
     device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' ...
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
@@ -491,7 +492,7 @@ if __name__ == '__main__':
         print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
     if eval_iters == 0:
         print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = answer_rows(val_ds, n_acc, tokenizer)  # (prompt ids, reference answer) of the first n_acc
+    acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
 
     @torch.no_grad()
     def accuracy(sched):

@@ -590,15 +590,21 @@ def check_mask_id(mask_id, vocab_size, pad_id=-1, eos_id=-1):
 # -----------------------------------------------------------------------------
 # the exact-match eval every family reports (its own sampler decodes)
 
-def answer_rows(val_ds, n, tokenizer):
+def answer_rows(val_ds, n, tokenizer, gen_length=0):
     """[(prompt ids incl. the assistant header, reference answer text)] of the first n val examples (single-turn: the
-    response is the supervised suffix)."""
+    response is the supervised suffix). With gen_length: a warning line when some responses (their end token
+    included) are longer, since those can never be matched."""
     import numpy as np
-    rows = []
+    rows, lengths = [], []
     for i in range(n):
         ids, lm = val_ds.example(i)
         start = int(np.argmax(lm > 0))
         rows.append((ids[:start].tolist(), tokenizer.decode(ids[start:].tolist())))
+        lengths.append(len(ids) - start)
+    too_long = sum(k > gen_length for k in lengths) if gen_length else 0
+    if too_long:
+        print0(f'warning: gen_length={gen_length} is shorter than {too_long} of the {n} eval answers (the longest '
+               f'is {max(lengths)} tokens with its end token): those can never match')
     return rows
 
 

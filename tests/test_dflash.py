@@ -415,3 +415,9 @@ def test_activation_checkpointing_reaches_the_draft():
     n, ((g0, b0, l0), (g1, b1, l1)) = grads_with_and_without_checkpointing(tiny_draft(target), loss_fn)
     assert n == 2 and l0 == l1 and g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
     assert b1 < 0.7 * b0, (b0, b1)
+
+
+def test_more_anchors_than_positions_is_a_settings_error():
+    # 1,000 anchors in 64-token rows were padding blocks computed for no loss (a step ~300x slower, silently)
+    assert 'exceeds max_seq_len=64' in dflash.family_settings_error(
+        dict(block_size=8, num_blocks_per_sample=1000, max_seq_len=64))

@@ -131,3 +131,22 @@ def test_lr_schedule():
     assert math.isclose(skeleton.get_lr(10, **kw), 1.0)
     assert math.isclose(skeleton.get_lr(60, **kw), 0.55)
     assert skeleton.get_lr(110, **kw) == 0.1 == skeleton.get_lr(500, **kw)
+
+
+def test_eval_warns_when_gen_length_cannot_hold_the_answers(capsys):
+    # a gen_length shorter than the answers scored 0 % with no word why
+    import numpy as np
+    from skeleton import answer_rows
+
+    class Val:
+        def example(self, i):  # 3 prompt tokens, then an answer of i + 2 tokens (its end token included)
+            return np.arange(5 + i), np.array([0, 0, 0] + [1] * (i + 2))
+
+    class Tok:
+        def decode(self, ids):
+            return ' '.join(map(str, ids))
+    rows = answer_rows(Val(), 3, Tok(), gen_length=3)
+    assert rows[0] == ([0, 1, 2], '3 4') and len(rows) == 3
+    assert 'gen_length=3 is shorter than 1 of the 3 eval answers (the longest is 4 tokens' in capsys.readouterr().out
+    answer_rows(Val(), 3, Tok(), gen_length=4)
+    assert 'warning' not in capsys.readouterr().out

@@ -387,3 +387,5 @@ def test_out_dir_that_cannot_be_made_and_an_unknown_bench_section(data_dir, tmp_
     one_error(run('llada.py', f'--data_dir={data_dir}', f'--out_dir={tmp_path}/f/out', *TINY, '--max_iters=1',
                   code=2), f'out_dir={tmp_path}/f/out cannot be used: Not a directory')
     one_error(run('bench.py', '--only=foo', code=2), "--only: unknown section 'foo' (have ce, ")
+    one_error(run('bench.py', '--only=dflash', f'--dflash_checkpoint={tmp_path}/nope', code=2),
+              f"--dflash_checkpoint: no checkpoint '{tmp_path}/nope' for section 'dflash'")

@@ -47,7 +47,7 @@ import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
                       resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval, corruption_seeds,
-                      check_mask_id, answer_rows, exact_match, causal_lm_error, checkpoint_activations)
+                      check_mask_id, answer_rows, exact_match, causal_lm_error, checkpoint_activations, lora_for_run)
 from data.loader import collate
 
 FAMILY = 'dflash'  # the family's name, in ckpt.pt and meta.json: a resume checks it, sample.py picks the sampler
@@ -398,6 +398,13 @@ if __name__ == '__main__':
     fsdp = False  # shard the draft with FSDP2 (fully_shard) instead of DDP when launched with torchrun
     activation_checkpointing = False  # recompute the draft's blocks in backward instead of storing their
     #                                   activations: less memory for ~1/3 more compute (the target keeps none)
+    # LoRA (peft): 0 = full fine-tuning; > 0 trains only rank-r adapters on the draft's linear layers: a published
+    # draft (init_from) adapted to new data; the target stays frozen and untouched either way
+    lora_r = 0  # adapter rank (ckpt.pt keeps the adapters only; hf/ is a peft adapter of the base)
+    lora_alpha = 16  # adapter scale: alpha / r
+    lora_dropout = 0.0  # dropout on the adapters' input
+    lora_target_modules = 'all-linear'  # 'all-linear' (every nn.Linear but the LM head) or 'q_proj,v_proj'
+    lora_merge = False  # also export hf/ merged (adapters folded into the weights: a plain model)
     seed = 1337  # data order, anchors and init all derive from it
     # -------------------------------------------------------------------------
     import configurator
@@ -492,8 +499,11 @@ if __name__ == '__main__':
             if 'mask_id' in given and mask_id != checkpoint['mask_id']:
                 fail(f"mask_id={mask_id} ({given['mask_id']}) but the checkpoint was trained with mask_id="
                      f"{checkpoint['mask_id']}; a resumed draft keeps its [MASK]", 2)
-            draft = DFlashDraftModel(Qwen3Config(**json.loads(checkpoint['model_args'])))
-            draft.load_state_dict(checkpoint['model'])
+            if checkpoint.get('lora_base'):  # a LoRA run: its frozen base (lora_for_run adds the adapters)
+                draft = DFlashDraftModel.from_pretrained(checkpoint['lora_base'], dtype=torch.float32)
+            else:
+                draft = DFlashDraftModel(Qwen3Config(**json.loads(checkpoint['model_args'])))
+                draft.load_state_dict(checkpoint['model'])
             start_step = checkpoint['step']
         elif init_from == 'scratch':
             draft = build_draft(target_model.config, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
@@ -523,6 +533,7 @@ if __name__ == '__main__':
     draft.config.dflash_config = {**draft.config.dflash_config, 'mask_token_id': mask_id}
     block_size = draft.block_size  # a loaded draft keeps its own
     gamma = loss_gamma(block_size, loss_decay_gamma)
+    draft = lora_for_run(draft, config, checkpoint, init_from)  # lora_r > 0: adapters on a frozen base
     draft.to(device)
     raw_model = draft  # the bare draft: state_dict, export, sampling
     net = DFlash(draft, target_model, weights=decay_weights(block_size, gamma).to(device), compiled_ce=compile)

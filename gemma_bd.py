@@ -46,7 +46,7 @@ import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
                       resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval, corruption_seeds,
-                      answer_rows, exact_match, checkpoint_activations)
+                      answer_rows, exact_match, checkpoint_activations, lora_for_run)
 
 FAMILY = 'gemma_bd'  # the family's name, in ckpt.pt and meta.json: a resume checks it, sample.py picks the sampler
 MODULE = os.path.basename(__file__)[:-3]  # this file: meta.json records it, sample.py imports its math from it
@@ -342,6 +342,12 @@ if __name__ == '__main__':
     fsdp = False  # shard with FSDP2 (fully_shard) instead of DDP when launched with torchrun
     activation_checkpointing = False  # recompute each transformer block in backward instead of storing
     #                                   its activations: far less memory for ~1/3 more compute (long GPU runs)
+    # LoRA (peft): 0 = full fine-tuning; > 0 trains only rank-r adapters on the linear layers of init_from's model
+    lora_r = 0  # adapter rank (ckpt.pt keeps the adapters only; hf/ is a peft adapter of the base)
+    lora_alpha = 16  # adapter scale: alpha / r
+    lora_dropout = 0.0  # dropout on the adapters' input
+    lora_target_modules = 'all-linear'  # 'all-linear' (every nn.Linear but the LM head) or 'q_proj,v_proj'
+    lora_merge = False  # also export hf/ merged (adapters folded into the weights: a plain model)
     seed = 1337  # data order, corruption and init all derive from it
     # -------------------------------------------------------------------------
     import configurator
@@ -399,9 +405,12 @@ if __name__ == '__main__':
     if init_from == 'resume':
         checkpoint, saved = load_resume(ckpt_path, FAMILY, config, given, shape_keys=SHAPE_KEYS)
         block_size = config['block_size']
-        model = hf.build_diffusion_gemma('scratch', hf_config=json.loads(checkpoint['model_args']),
-                                         attn_implementation=attn_implementation)
-        model.load_state_dict(checkpoint['model'])
+        if checkpoint.get('lora_base'):  # a LoRA run: its frozen base (lora_for_run adds the adapters)
+            model = hf.build_diffusion_gemma(checkpoint['lora_base'], attn_implementation=attn_implementation)
+        else:
+            model = hf.build_diffusion_gemma('scratch', hf_config=json.loads(checkpoint['model_args']),
+                                             attn_implementation=attn_implementation)
+            model.load_state_dict(checkpoint['model'])
         start_step = checkpoint['step']
     else:
         try:
@@ -422,6 +431,7 @@ if __name__ == '__main__':
     vocab = model.get_input_embeddings().weight.shape[0]
     if vocab < meta['vocab_size']:
         fail(f"the model's vocabulary ({vocab}) is smaller than the tokenizer's ({meta['vocab_size']})", 2)
+    model = lora_for_run(model, config, checkpoint, init_from)  # lora_r > 0: adapters on a frozen base
     model.to(device)
     share_encoder_modules(model)  # FSDP2 then shards each weight once, for both passes
     raw_model = model  # the bare HF model: state_dict, export, sampling

@@ -9,6 +9,8 @@ Everything the family scripts and sample.py need from the transformers API:
     last_hidden_state  the final (post-norm) hidden states the chunked CE consumes, (B, T, C)
     shard_units        the transformer blocks FSDP2 shards one by one
     checkpoint_layers  activation checkpointing: every transformer block recomputes its forward in backward
+    add_lora, adapter_state, merged_state, pretrained   LoRA through peft: adapters injected in place, the
+                       adapter export (peft's format) and the merged weights, loading an adapter export
     attention_mask     a kernels.py mask_mod -> what the model's attention backend takes: a flex_attention
                        BlockMask when the model runs flex (CUDA), a dense bool (B, 1, Q, K) mask for SDPA (CPU)
     forward            logits of a forward with a mask, position ids, logits_to_keep and a KV cache
@@ -143,11 +145,95 @@ def _model_class(d, trust_remote_code=False):
 
 
 def load_pretrained(d, device='cpu', dtype=torch.float32, trust_remote_code=False):
-    """A model directory (config.json + weights) -> the model in eval mode on `device` in `dtype`."""
+    """A model directory (config.json + weights, or a LoRA adapter export) -> the model in eval mode on `device` in
+    `dtype`."""
     import transformers
     transformers.logging.disable_progress_bar()
-    model = _model_class(d).from_pretrained(d, dtype=dtype, trust_remote_code=trust_remote_code)
+    base = adapter_base(d) or d
+    model = pretrained(_model_class(base).from_pretrained, d, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device).eval()
+
+
+# -----------------------------------------------------------------------------
+# LoRA (peft). The adapters are injected in place (peft.inject_adapter_in_model), so the model keeps its class,
+# get_decoder(), forward and FSDP units; each targeted nn.Linear becomes a peft LoRA layer holding base_layer and
+# lora_A / lora_B. Only the adapters train; ckpt.pt holds only them; hf/ holds them in peft's adapter format.
+
+
+def add_lora(model, *, r, alpha, dropout, target_modules, base):
+    """Inject LoRA adapters of rank r (scale alpha / r, dropout on their input) into model's linear layers
+    target_modules ('all-linear': every nn.Linear but the LM head, peft's rule; or comma-separated names such as
+    'q_proj,v_proj'; never those of a vision tower, which text training does not reach), freeze every other weight. base: the directory the frozen weights came from (recorded in the
+    adapter's config). B starts at zero, so the model computes what it did. -> model (the same object)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    targets = target_modules if target_modules == 'all-linear' else [t.strip() for t in target_modules.split(',')]
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                        exclude_modules=r'.*(vision|multi_modal_projector).*',  # text only: never a vision tower
+                        base_model_name_or_path=os.path.abspath(base))
+    try:
+        inject_adapter_in_model(config, model)
+    except ValueError as e:  # no module matched target_modules
+        raise ValueError(f'lora_target_modules={target_modules!r}: {str(e).splitlines()[0]}') from None
+    for n, p in model.named_parameters():
+        p.requires_grad = '.lora_' in n
+    return model
+
+
+def lora_config(model):
+    """The LoraConfig of a model with adapters injected, or None."""
+    return getattr(model, 'peft_config', {}).get('default')
+
+
+def adapter_state(model, state_dict):
+    """The adapter weights of state_dict (the model's full, name-keyed state) in peft's saved format: the keys
+    PeftModel.save_pretrained writes (base_model.model.<module>.lora_A.weight), so PeftModel.from_pretrained loads
+    them."""
+    from peft import get_peft_model_state_dict
+    return {'base_model.model.' + k: v.contiguous() for k, v in
+            get_peft_model_state_dict(model, state_dict=state_dict).items()}
+
+
+def merged_state(model, state_dict):
+    """state_dict with every adapter folded into its base weight, W + (alpha / r) B A, under the base model's key
+    names (no base_layer, no lora_*): a plain checkpoint of the base architecture."""
+    c = lora_config(model)
+    scale = c.lora_alpha / c.r
+    out = {}
+    for k, v in state_dict.items():
+        if '.lora_' in k:
+            continue
+        if '.base_layer.' in k:
+            pre, _, leaf = k.partition('.base_layer.')
+            if leaf == 'weight':
+                a, b = state_dict[f'{pre}.lora_A.default.weight'], state_dict[f'{pre}.lora_B.default.weight']
+                v = v + scale * (b.float() @ a.float()).to(v.dtype)
+            k = f'{pre}.{leaf}'
+        out[k] = v
+    return out
+
+
+def adapter_base(d):
+    """The base model directory of a LoRA adapter export d (adapter_config.json, no config.json), else None."""
+    import json
+    path = os.path.join(d, 'adapter_config.json')
+    if os.path.isfile(os.path.join(d, 'config.json')) or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        base = json.load(f).get('base_model_name_or_path') or ''
+    if not os.path.isfile(os.path.join(base, 'config.json')):
+        raise FileNotFoundError(f"{path}: its base model {base!r} has no config.json; restore it there (the adapter "
+                                f"holds only the LoRA weights)")
+    return base
+
+
+def pretrained(load, d, **kw):
+    """load(d, **kw) (a from_pretrained), or for a LoRA adapter export d: load(its base) with the adapter merged in
+    (peft's PeftModel.from_pretrained + merge_and_unload), so samplers see a plain model."""
+    base = adapter_base(d)
+    if base is None:
+        return load(d, **kw)
+    from peft import PeftModel
+    return PeftModel.from_pretrained(load(base, **kw), d).merge_and_unload()
 
 
 def last_hidden_state(model, input_ids, attention_mask=None, position_ids=None):

@@ -40,7 +40,7 @@ import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered,
                       adamw, full_state, resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval,
-                      answer_rows, exact_match, causal_lm_error, checkpoint_activations)
+                      answer_rows, exact_match, causal_lm_error, checkpoint_activations, lora_for_run)
 from data.loader import collate
 
 FAMILY = 'idlm'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -193,6 +193,12 @@ if __name__ == '__main__':
     fsdp = False  # shard with FSDP2 (fully_shard) instead of DDP when launched with torchrun
     activation_checkpointing = False  # recompute each transformer block in backward instead of storing
     #                                   its activations: far less memory for ~1/3 more compute (long GPU runs)
+    # LoRA (peft): 0 = full fine-tuning; > 0 trains only rank-r adapters on the converted model's linear layers
+    lora_r = 0  # adapter rank (ckpt.pt keeps the adapters only; hf/ is a peft adapter of the base)
+    lora_alpha = 16  # adapter scale: alpha / r
+    lora_dropout = 0.0  # dropout on the adapters' input
+    lora_target_modules = 'all-linear'  # 'all-linear' (every nn.Linear but the LM head) or 'q_proj,v_proj'
+    lora_merge = False  # also export hf/ merged (adapters folded into the weights: a plain model)
     seed = 1337  # data order and init derive from it
     # -------------------------------------------------------------------------
     import configurator
@@ -263,6 +269,7 @@ if __name__ == '__main__':
                           bidirectional=False, attn_implementation=attn_implementation)
     vocab = model.get_input_embeddings().weight.shape[0]
     mask_id = mask_id_for_run(mask_id, checkpoint, src_meta.get('mask_id', meta.get('mask_id', -1)), vocab, pad_id, eos_id)
+    model = lora_for_run(model, config, checkpoint, source)  # lora_r > 0: adapters on a frozen base
     model.to(device)
     raw_model = model  # the bare HF model: state_dict, export, sampling
     softcap = float(getattr(model.config, 'final_logit_softcapping', None) or 0.0)

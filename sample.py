@@ -1182,14 +1182,14 @@ def generate(model, prompts, *, sampler='llada', pad_id, eos_id=-1, mask_id=-1, 
 # loading
 
 def resolve_checkpoint(path):
-    """A training out_dir (-> its hf/ export), a file in one (ckpt.pt: its directory) or a Hugging Face model dir;
-    one clear error otherwise."""
+    """A training out_dir (-> its hf/ export), a file in one (ckpt.pt: its directory), a Hugging Face model dir or
+    a LoRA adapter export (adapter_config.json: loaded onto its base); one clear error otherwise."""
     if os.path.isfile(path):  # out-llada/ckpt.pt, .../hf/config.json: the directory it is in
         path = os.path.dirname(path) or '.'
     if not os.path.isdir(path):
         raise FileNotFoundError(f'checkpoint dir {path!r} does not exist')
     for d in (os.path.join(path, 'hf'), path):
-        if os.path.isfile(os.path.join(d, 'config.json')):
+        if any(os.path.isfile(os.path.join(d, f)) for f in ('config.json', 'adapter_config.json')):
             return d
     raise FileNotFoundError(f'checkpoint dir {path!r} has no config.json (nor hf/config.json): expected a training '
                             f'out_dir or a Hugging Face model dir')
@@ -1251,7 +1251,7 @@ def load_dflash(d, meta, device, dtype, trust_remote_code=False):
     if not os.path.isfile(os.path.join(t, 'config.json')):
         raise FileNotFoundError(f"{os.path.join(d, 'meta.json')}: its target {t!r} (the AR model the draft was trained "
                                 f"for) has no config.json; restore it there")
-    draft = dflash.DFlashDraftModel.from_pretrained(d, dtype=dtype)
+    draft = hf.pretrained(dflash.DFlashDraftModel.from_pretrained, d, dtype=dtype)  # a LoRA export: base + adapter
     target = hf.load_pretrained(t, device, dtype, trust_remote_code)
     return Speculative(target, draft).to(device).eval()
 

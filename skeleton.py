@@ -107,6 +107,7 @@ def fail(message, code):
 
 
 MODEL_KEYS = ('model_type', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'intermediate_size', 'rope_theta')  # shape
+LORA_KEYS = ('lora_r', 'lora_alpha', 'lora_dropout', 'lora_target_modules')  # the adapters: fixed for a run
 
 
 def get_lr(it, *, learning_rate, min_lr, warmup_iters, lr_decay_iters):
@@ -166,6 +167,15 @@ def settings_error(c, model_types=('qwen3', 'llama')):
         return f"device={c['device']!r} but torch {torch.__version__} sees {torch.cuda.device_count()} CUDA devices"
     if c['wandb_log'] and importlib.util.find_spec('wandb') is None:
         return 'wandb_log=True but wandb is not installed (pip install wandb, or --wandb_log=False)'
+    if c.get('lora_r', 0):
+        if c['lora_r'] < 0 or c['lora_alpha'] <= 0 or not 0 <= c['lora_dropout'] < 1:
+            return (f"lora_r={c['lora_r']} must be >= 0 (0: full fine-tuning), lora_alpha={c['lora_alpha']} > 0 and "
+                    f"lora_dropout={c['lora_dropout']} in [0, 1)")
+        if c['init_from'] == 'scratch':
+            return ('lora_r > 0 adapts a trained model: give --init_from=<its directory> (a scratch model has '
+                    'nothing to adapt)')
+        if importlib.util.find_spec('peft') is None:
+            return 'lora_r > 0 needs peft (pip install -r requirements.txt)'
     return None
 
 
@@ -211,7 +221,12 @@ def save_run(out_dir, ckpt, model, state_dict, meta, tokenizer):
     is renamed over ckpt.pt, and a complete hf.tmp over hf (hf -> hf.old, hf.tmp -> hf). A kill at any point leaves
     a loadable ckpt.pt and a whole hf/, which may be older than ckpt.pt (its meta.json says which step it is); a
     kill between the two renames leaves hf.old, which the next run puts back."""
+    import hf
     path, step = os.path.join(out_dir, 'ckpt.pt'), ckpt['step']
+    lora = hf.lora_config(model)
+    if lora is not None:  # LoRA: ckpt.pt keeps the adapters (and their AdamW state) and the base they adapt
+        ckpt = {**ckpt, 'model': {k: v for k, v in state_dict.items() if '.lora_' in k},
+                'lora_base': lora.base_model_name_or_path}
     torch.save(ckpt, path + '.tmp')
     die_at('save', step)
     os.replace(path + '.tmp', path)
@@ -219,7 +234,19 @@ def save_run(out_dir, ckpt, model, state_dict, meta, tokenizer):
     hf_dir = os.path.join(out_dir, 'hf')
     tmp, old = hf_dir + '.tmp', hf_dir + '.old'
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict)
+    if lora is None:
+        model.save_pretrained(tmp, state_dict=state_dict)
+    else:  # a peft adapter of its base (PeftModel.from_pretrained(base, hf) loads it); lora_merge: hf/ is the merged
+        #    model and the adapter moves to hf/adapter (transformers would apply an adapter found next to weights again)
+        from safetensors.torch import save_file
+        merge = ckpt['config'].get('lora_merge')
+        if merge:
+            model.save_pretrained(tmp, state_dict=hf.merged_state(model, state_dict))
+        adapter = os.path.join(tmp, 'adapter') if merge else tmp
+        os.makedirs(adapter, exist_ok=True)
+        lora.save_pretrained(adapter)
+        save_file(hf.adapter_state(model, state_dict), os.path.join(adapter, 'adapter_model.safetensors'))
+        meta = {**meta, 'lora_base': lora.base_model_name_or_path}
     if hasattr(tokenizer, 'save'):
         tokenizer.save(tmp)
     with open(os.path.join(tmp, 'meta.json'), 'w') as f:
@@ -350,12 +377,13 @@ def load_resume(ckpt_path, family, config, given, shape_keys=()):
         fail(f"{ckpt_path} was written by the {checkpoint.get('family')!r} family, not {family!r}: resume it with "
              f"its own script, or start a {family} run in another out_dir", 2)
     saved = checkpoint['config']  # the settings it was trained with
-    problem = resume_error(config, given, saved, MODEL_KEYS + tuple(shape_keys))
+    keys = MODEL_KEYS + LORA_KEYS + tuple(shape_keys)
+    problem = resume_error(config, given, saved, keys)
     if problem:
         fail(problem, 2)
     if checkpoint['step'] >= config['max_iters']:
         fail(f"{ckpt_path} is at step {checkpoint['step']} >= max_iters={config['max_iters']}: nothing to train", 2)
-    config.update({k: saved[k] for k in MODEL_KEYS + tuple(shape_keys) if k in saved})  # the model it is
+    config.update({k: saved[k] for k in keys if k in saved})  # the model it is
     return checkpoint, saved
 
 
@@ -366,6 +394,9 @@ def model_for_run(init_from, checkpoint, hf_dir, config, *, vocab_size, bidirect
     local checkpoint dir init_from, bidirectional or causal. A missing or incomplete dir is one line, exit 1."""
     import hf
     try:
+        if checkpoint is not None and checkpoint.get('lora_base'):  # the frozen base (lora_for_run: the adapters)
+            return hf.build_model(checkpoint['lora_base'], bidirectional=bidirectional,
+                                  trust_remote_code=config['trust_remote_code'], attn_implementation=attn_implementation)
         if checkpoint is not None:
             hf_config = json.loads(checkpoint['model_args'])
             if 'auto_map' in hf_config:  # remote-code model: its code travels with the HF export
@@ -380,6 +411,31 @@ def model_for_run(init_from, checkpoint, hf_dir, config, *, vocab_size, bidirect
                               trust_remote_code=config['trust_remote_code'], attn_implementation=attn_implementation)
     except (OSError, ValueError) as e:  # a missing/incomplete checkpoint dir
         fail(str(e).splitlines()[0], 1)
+
+
+def lora_for_run(model, config, checkpoint, base):
+    """lora_r > 0: LoRA adapters (peft) on the model's linear layers (lora_target_modules), every other weight frozen;
+    on resume the adapters trained so far. base: the directory the model's weights came from (the checkpoint's own
+    base on resume). lora_r = 0: the model as is (full fine-tuning). -> the model."""
+    if not config.get('lora_r'):
+        return model
+    import hf
+    base = checkpoint['lora_base'] if checkpoint is not None else base
+    try:
+        hf.add_lora(model, r=config['lora_r'], alpha=config['lora_alpha'], dropout=config['lora_dropout'],
+                    target_modules=config['lora_target_modules'], base=base)
+    except ValueError as e:
+        fail(str(e), 2)
+    if checkpoint is not None:
+        missing, unexpected = model.load_state_dict(checkpoint['model'], strict=False)
+        lost = [k for k in missing if '.lora_' in k] + unexpected
+        if lost:
+            fail(f'the checkpoint does not fit the adapters: {lost[0]}', 1)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    print0(f"LoRA r={config['lora_r']}, alpha={config['lora_alpha']} on {config['lora_target_modules']}: "
+           f"{n / 1e6:.3f}M of {total / 1e6:.2f}M parameters trained, the rest frozen ({base})")
+    return model
 
 
 def mask_id_for_run(mask_id, checkpoint, default, vocab_size, pad_id, eos_id):

@@ -221,6 +221,72 @@ def test_activation_checkpointing_changes_no_number(trained, data_dir, tmp_path,
     assert len(ckpt) == 3 and ckpt == plain, (plain, ckpt)
 
 
+def test_lora_trains_adapters_only_and_exports_them(trained, data_dir, tmp_path, request):
+    # LoRA on the trained run's export: the run says what it trains, ckpt.pt holds only adapters (and their AdamW
+    # state), the base is untouched, and hf/ holds a peft adapter whose load (peft's merge) equals the merged export
+    script, out, _ = trained
+    import hashlib
+    import hf
+    base = os.path.join(out, 'hf')
+    digest = lambda: hashlib.sha256(open(os.path.join(base, 'model.safetensors'), 'rb').read()).hexdigest()
+    before, lora = digest(), str(tmp_path / 'lora')
+    args = [f'--data_dir={data_dir}', f'--out_dir={lora}', '--max_iters=3', '--learning_rate=1e-2', *TINY,
+            *extra(script, request, convert=True), '--eval_samples=0', f'--init_from={base}', '--lora_r=4',
+            '--lora_merge=True']
+    r = run(script, *args)
+    assert re.search(r'LoRA r=4, alpha=16 on all-linear: [\d.]+M of [\d.]+M parameters trained', r.stdout)
+    c = ckpt(lora)
+    assert c['model'] and all('.lora_' in k for k in c['model']) and c['lora_base'] == os.path.abspath(base)
+    # one AdamW state per adapter tensor (gemma_bd's encoder and decoder layers share theirs: two names, one tensor)
+    assert len(c['optimizer']['state']) == len({v.data_ptr() for v in c['model'].values()})
+    assert digest() == before
+    assert not os.path.exists(os.path.join(lora, 'hf', 'adapter_config.json'))  # merged: the adapter in hf/adapter
+    load = (lambda d: hf.pretrained(__import__('dflash').DFlashDraftModel.from_pretrained, d)) \
+        if script == 'dflash.py' else hf.load_pretrained
+    via_peft = load(os.path.join(lora, 'hf', 'adapter')).state_dict()  # onto the base through peft
+    merged = load(os.path.join(lora, 'hf')).state_dict()  # our merged export, a plain model
+    assert via_peft.keys() == merged.keys()
+    assert all(torch.allclose(via_peft[k], merged[k], atol=1e-6) for k in merged)
+
+
+@pytest.fixture(scope='module')
+def lora_base(data_dir, tmp_path_factory):
+    """A 5-step llada.py export for the LoRA runs below to adapt."""
+    base = str(tmp_path_factory.mktemp('lora_base') / 'out')
+    run('llada.py', f'--data_dir={data_dir}', f'--out_dir={base}', '--max_iters=5', *TINY, '--eval_samples=0')
+    return os.path.join(base, 'hf')
+
+
+def test_lora_resume_is_bit_exact(data_dir, lora_base, tmp_path):
+    # llada.py only: the LoRA resume path (base rebuilt from the checkpoint's lora_base, the adapters and their AdamW
+    # state loaded) is the shared lora_for_run; adapter dropout on, so the RNG state must come back too
+    common = [f'--data_dir={data_dir}', '--learning_rate=1e-2', *TINY, '--eval_samples=0',
+              f'--init_from={lora_base}', '--lora_r=4', '--lora_dropout=0.1']
+    a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
+    run('llada.py', f'--out_dir={a}', *common, '--max_iters=4')
+    run('llada.py', f'--out_dir={b}', *common, '--max_iters=2', '--lr_decay_iters=4')
+    run('llada.py', f'--out_dir={b}', *common[:-3], '--init_from=resume', '--max_iters=4', '--lr_decay_iters=4')
+    ca, cb = ckpt(a), ckpt(b)
+    assert losses(a) == losses(b) and len(losses(a)) == 4
+    assert ca['model'].keys() == cb['model'].keys()
+    assert all(torch.equal(ca['model'][k], cb['model'][k]) for k in ca['model'])
+    r = run('sample.py', '--checkpoint', a, '--prompt', '12+34')  # hf/ is the adapter alone: sample.py adds the base
+    assert r.stdout.startswith('12+34 -> ') and f"loaded {os.path.join(a, 'hf')} (step 4)" in r.stderr
+
+
+def test_lora_fsdp_two_ranks_equal_one_rank(data_dir, lora_base, tmp_path):
+    # FSDP2 shards units that mix frozen base weights and trained adapters: 2 ranks x 2 micro-steps = 1 rank x 4
+    common = [f'--data_dir={data_dir}', '--max_iters=2', '--gradient_accumulation_steps=4', '--grad_clip=0', *TINY,
+              '--eval_samples=0', f'--init_from={lora_base}', '--lora_r=4']
+    a, b = str(tmp_path / 'one'), str(tmp_path / 'two')
+    run('llada.py', f'--out_dir={a}', *common)
+    run('llada.py', f'--out_dir={b}', *common, '--fsdp=True', nproc=2)
+    ca, cb = ckpt(a), ckpt(b)
+    assert ca['model'].keys() == cb['model'].keys() and all('.lora_' in k for k in cb['model'])
+    assert abs(ca['metrics']['loss'] - cb['metrics']['loss']) < 1e-5 * ca['metrics']['loss']
+    assert all(torch.allclose(ca['model'][k], cb['model'][k], atol=1e-6) for k in ca['model'])
+
+
 ONE_RANK = {}  # script -> out_dir of its 1-process run with 4 accumulation steps
 
 

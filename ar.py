@@ -154,10 +154,8 @@ if __name__ == '__main__':
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
     compile = False  # torch.compile the decoder and the chunked CE (worth it on GPU; ~20 s cold start on CPU)
     fsdp = False  # shard with FSDP2 (fully_shard) instead of DDP when launched with torchrun
-    activation_checkpointing = False  # recompute each transformer block in backward instead of storing
-    #                                   its activations: far less memory for ~1/3 more compute (long GPU runs)
-    # LoRA (peft): 0 = full fine-tuning; > 0 trains only rank-r adapters on the linear layers of init_from's model
-    lora_r = 0  # adapter rank (ckpt.pt keeps the adapters only; hf/ is a peft adapter of the base)
+    activation_checkpointing = False  # recompute each block in backward: less memory for ~1/3 more compute
+    lora_r = 0  # LoRA (peft) rank, 0 = full fine-tuning; > 0: only adapters on init_from's linears train
     lora_alpha = 16  # adapter scale: alpha / r
     lora_dropout = 0.0  # dropout on the adapters' input
     lora_target_modules = 'all-linear'  # 'all-linear' (every nn.Linear but the LM head) or 'q_proj,v_proj'

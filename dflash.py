@@ -396,11 +396,8 @@ if __name__ == '__main__':
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
     compile = False  # torch.compile the draft layers and the chunked CE (worth it on GPU; ~20 s cold start on CPU)
     fsdp = False  # shard the draft with FSDP2 (fully_shard) instead of DDP when launched with torchrun
-    activation_checkpointing = False  # recompute the draft's blocks in backward instead of storing their
-    #                                   activations: less memory for ~1/3 more compute (the target keeps none)
-    # LoRA (peft): 0 = full fine-tuning; > 0 trains only rank-r adapters on the draft's linear layers: a published
-    # draft (init_from) adapted to new data; the target stays frozen and untouched either way
-    lora_r = 0  # adapter rank (ckpt.pt keeps the adapters only; hf/ is a peft adapter of the base)
+    activation_checkpointing = False  # recompute the draft's blocks in backward: less memory, ~1/3 more compute
+    lora_r = 0  # LoRA (peft) rank on the draft, 0 = full fine-tuning; >0: only adapters train (target frozen)
     lora_alpha = 16  # adapter scale: alpha / r
     lora_dropout = 0.0  # dropout on the adapters' input
     lora_target_modules = 'all-linear'  # 'all-linear' (every nn.Linear but the LM head) or 'q_proj,v_proj'

@@ -308,7 +308,7 @@ def gemma_train_child(variant, args):
     P = T // 4  # a prompt quarter, the rest response (a multiple of the canvas)
     examples = [(torch.randint(V, (T,), generator=g).numpy(), torch.cat([torch.zeros(P), torch.ones(T - P)]).numpy())
                 for _ in range(B)]
-    mb = gemma_bd.make_batch(examples, torch.arange(B), pad_id=0, eos_id=1, vocab_size=V, eps=1e-3, block_size=bs,
+    mb = gemma_bd.make_batch(examples, torch.arange(B), pad_id=0, eos_id=1, vocab_size=V, eps=1e-3, canvas_length=bs,
                              max_seq_len=T, sc_p=0.5)
     bd = gemma_bd.BlockDiffusion(model)
     mask = gemma_bd.attention_for(model, mb, 'cpu', bs)

@@ -185,10 +185,10 @@ def step_choices(seeds, n_blocks, sc_p):
     return block, u[:, 1] < sc_p
 
 
-def make_batch(examples, seeds, *, pad_id, eos_id, vocab_size, eps, block_size, max_seq_len, sc_p=0.5,
+def make_batch(examples, seeds, *, pad_id, eos_id, vocab_size, eps, canvas_length, max_seq_len, sc_p=0.5,
                pad_seq_len_divisible=1):
     """[(ids, loss_mask)] single-turn examples -> one micro-batch, a dict:
-      x0 (B, L), attn (B, L) bool: the clean rows, EOS-filled from the response start to a multiple of block_size
+      x0 (B, L), attn (B, L) bool: the clean rows, EOS-filled from the response start to a multiple of canvas_length
         (response-relative, supervised and attended: NeMo's Gemma fill), so the last canvas block ends in EOS;
       enc_weights (B, L): 1 where (i, i+1) are both attended (the encoder AR pairs: prompt + response + fill);
       the response window (NeMo AutoModel _build_response_window), R = the longest response: canvas (B, R) the corrupted
@@ -199,7 +199,7 @@ def make_batch(examples, seeds, *, pad_id, eos_id, vocab_size, eps, block_size, 
       coin (B,) bool: self-conditioning (sc_p), t (B,) the noise level.
     A row with no supervised token (raw text) is all response. ValueError for an example with more than one
     supervised run (DiffusionGemma trains single-turn examples only)."""
-    B, bs = len(examples), block_size
+    B, bs = len(examples), canvas_length
     prefix, resp, content = [], [], []
     for i, (ids, lm) in enumerate(examples):
         sup = torch.as_tensor(lm[:len(ids)]).float() > 0
@@ -238,7 +238,7 @@ def make_batch(examples, seeds, *, pad_id, eos_id, vocab_size, eps, block_size, 
                 noise=noise.gather(1, at) & valid, coin=coin, t=t)
 
 
-def attention_for(model, batch, device, block_size):
+def attention_for(model, batch, device, canvas_length):
     """The [x0 | canvas] training mask (kernels.gemma_block_diffusion) for the model's backend, per layer type
     ({'full_attention': .., 'sliding_attention': ..}: the sliding layers bound their keys by the config's window),
     (B, 1, L + R, L + R). BlockMasks on flex, dense bool masks on SDPA."""
@@ -247,7 +247,7 @@ def attention_for(model, batch, device, block_size):
     text = model.config.get_text_config()
     prefix, resp = batch['prefix'].to(device), batch['resp'].to(device)
     return {t: hf.attention_mask(model, kernels.gemma_block_diffusion(
-        L, block_size, prefix, resp, text.sliding_window if t == 'sliding_attention' else 0), B, T, T, device)
+        L, canvas_length, prefix, resp, text.sliding_window if t == 'sliding_attention' else 0), B, T, T, device)
         for t in set(text.layer_types)}
 
 # -----------------------------------------------------------------------------
@@ -256,8 +256,8 @@ def attention_for(model, batch, device, block_size):
 def family_settings_error(c):
     """gemma_bd's own bad settings (corruption, loss, model shape, the eval sampler's) as one line, or None; see
     settings_error for the ones every family shares."""
-    if c['block_size'] < 0:
-        return f"block_size={c['block_size']} must be >= 0 (0: the model's canvas_length)"
+    if c['canvas_length'] < 0:
+        return f"canvas_length={c['canvas_length']} must be >= 0 (0: the model's own)"
     if not 0 < c['eps'] < 1:
         return f"eps={c['eps']} must be in (0, 1)"
     if not 0 <= c['self_conditioning_p'] <= 1 or c['encoder_loss_weight'] < 0:
@@ -266,8 +266,8 @@ def family_settings_error(c):
     if c['init_from'] == 'scratch' and not (1 <= c['top_k_experts'] <= c['n_experts'] and c['sliding_window'] >= 1):
         return (f"need 1 <= top_k_experts={c['top_k_experts']} <= n_experts={c['n_experts']} and sliding_window="
                 f"{c['sliding_window']} >= 1")
-    if c['steps'] < 1 or c['gen_length'] % (c['block_size'] or c['gen_length']):
-        return (f"gen_length={c['gen_length']} must be a multiple of block_size={c['block_size']} (the canvas) and "
+    if c['steps'] < 1 or c['gen_length'] % (c['canvas_length'] or c['gen_length']):
+        return (f"gen_length={c['gen_length']} must be a multiple of canvas_length={c['canvas_length']} and "
                 f"steps={c['steps']} >= 1")
     if not (0 < c['t_min'] <= c['t_max'] and c['entropy_bound'] > 0 and c['confidence_threshold'] >= 0):
         return (f"need 0 < t_min={c['t_min']} <= t_max={c['t_max']}, entropy_bound={c['entropy_bound']} > 0 and "
@@ -313,7 +313,7 @@ if __name__ == '__main__':
     rope_theta = 10000.0  # RoPE base (scratch)
     freeze_router = False  # freeze the MoE routers (NeMo's fine-tuning default: keep the pretrained routing)
     # corruption & loss
-    block_size = 8  # the canvas: the decoder's block, the sampler's canvas_length (0 = the checkpoint's canvas_length)
+    canvas_length = 8  # tokens denoised together: the decoder's block and the sampler's canvas (0 = the model's own)
     eps = 1e-3  # minimum noise level: t = eps + (1 - eps) * U per example
     self_conditioning_p = 0.5  # share of examples whose second pass gets the first pass's logits (0 = off)
     encoder_loss_weight = 1.0  # weight of the encoder's next-token loss (0 = off)
@@ -329,7 +329,7 @@ if __name__ == '__main__':
     lr_decay_iters = -1  # cosine decay length (-1 = max_iters)
     min_lr = 1e-4  # final learning rate
     # eval & sampling (the gemma sampler used for the accuracy eval)
-    gen_length = 8  # tokens generated per val prompt, in canvases of block_size (add: up to 4 digits + EOS)
+    gen_length = 8  # tokens generated per val prompt, in canvases of canvas_length (add: up to 4 digits + EOS)
     steps = 48  # denoising steps per canvas at most
     t_max = 0.8  # sampling temperature at the first step, annealed linearly to ...
     t_min = 0.4  # ... this at the last
@@ -383,7 +383,7 @@ if __name__ == '__main__':
         seeds (B,). A multi-turn example is a run-time data error (one line)."""
         try:
             return make_batch(ds.examples(idx.tolist()), seeds, pad_id=pad_id, eos_id=eos_id, vocab_size=vocab,
-                              eps=eps, block_size=block_size, max_seq_len=max_seq_len, sc_p=self_conditioning_p,
+                              eps=eps, canvas_length=canvas_length, max_seq_len=max_seq_len, sc_p=self_conditioning_p,
                               pad_seq_len_divisible=pad_seq_len_divisible)
         except ValueError as e:
             fail(f'{data_dir}: {e}', 1)
@@ -392,17 +392,17 @@ if __name__ == '__main__':
         """(Σ canvas CE, Σ encoder CE), (hits, hits) of micro-batch mb (train_model: DDP/FSDP see one call)."""
         on = lambda k: mb[k].to(device)
         return train_model(on('x0'), on('enc_weights'), on('canvas'), on('targets'), on('weights'), on('canvas_pos'),
-                           attention_for(raw_model, mb, device, block_size), on('coin'))
+                           attention_for(raw_model, mb, device, canvas_length), on('coin'))
 
     # -------------------------------------------------------------------------
     # model
     ckpt_path, hf_dir, lock = claim_out_dir(out_dir, init_from, overwrite)  # one run per out_dir; keep lock open
     start_step, checkpoint, saved = 0, None, None
     attn_implementation = hf.default_attn_implementation(device)  # flex_attention on CUDA, sdpa on CPU
-    SHAPE_KEYS = ('n_experts', 'top_k_experts', 'moe_intermediate_size', 'sliding_window', 'block_size')  # + MODEL_KEYS
+    SHAPE_KEYS = ('n_experts', 'top_k_experts', 'moe_intermediate_size', 'sliding_window', 'canvas_length')  # + MODEL_KEYS
     if init_from == 'resume':
         checkpoint, saved = load_resume(ckpt_path, FAMILY, config, given, shape_keys=SHAPE_KEYS)
-        block_size = config['block_size']
+        canvas_length = config['canvas_length']
         if checkpoint.get('lora_base'):  # a LoRA run: its frozen base (lora_for_run adds the adapters)
             model = hf.build_diffusion_gemma(checkpoint['lora_base'], attn_implementation=attn_implementation)
         else:
@@ -416,16 +416,16 @@ if __name__ == '__main__':
                 init_from, vocab_size=meta['vocab_size'], n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
                 n_embd=n_embd, intermediate_size=intermediate_size, n_experts=n_experts, top_k_experts=top_k_experts,
                 moe_intermediate_size=moe_intermediate_size, sliding_window=sliding_window,
-                canvas_length=block_size or 256, max_seq_len=max(max_seq_len, 256), rope_theta=rope_theta,
+                canvas_length=canvas_length or 256, max_seq_len=max(max_seq_len, 256), rope_theta=rope_theta,
                 attn_implementation=attn_implementation)
         except (OSError, ValueError) as e:  # a missing/incomplete checkpoint dir
             fail(str(e).splitlines()[0], 1)
-    if not block_size and gen_length % model.config.canvas_length:  # the canvas is known only now: check it now
-        fail(f'gen_length={gen_length} must be a multiple of the canvas, block_size=0: the model\'s canvas_length '
+    if not canvas_length and gen_length % model.config.canvas_length:  # the canvas is known only now: check it now
+        fail(f'gen_length={gen_length} must be a multiple of the canvas, canvas_length=0: the model\'s own is '
              f'{model.config.canvas_length}', 2)
-    block_size = block_size or model.config.canvas_length  # the canvas the model decodes
-    config['block_size'] = block_size
-    model.config.canvas_length = block_size  # the export's generate() decodes canvases of this length
+    canvas_length = canvas_length or model.config.canvas_length  # the canvas the model decodes
+    config['canvas_length'] = canvas_length
+    model.config.canvas_length = canvas_length  # the export's generate() decodes canvases of this length
     vocab = model.get_input_embeddings().weight.shape[0]
     if vocab < meta['vocab_size']:
         fail(f"the model's vocabulary ({vocab}) is smaller than the tokenizer's ({meta['vocab_size']})", 2)
@@ -443,7 +443,7 @@ if __name__ == '__main__':
     n_train = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
     print0(f'model: {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trained'
            f'{", routers frozen" if n_frozen else ""}), '
-           f'vocab {vocab}, canvas {block_size}, world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = '
+           f'vocab {vocab}, canvas {canvas_length}, world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = '
            f'{global_batch} examples/step')
 
     if activation_checkpointing:  # before compile and FSDP: each block's recompute stays inside its unit
@@ -470,7 +470,7 @@ if __name__ == '__main__':
                            'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
                            'torch_rng': torch.get_rng_state()},
                  raw_model, msd, {**meta, 'family': FAMILY, 'module': MODULE, 'sampler': 'gemma',
-                                  'gen_length': gen_length, 'block_length': block_size, 'steps': steps,
+                                  'gen_length': gen_length, 'block_length': canvas_length, 'steps': steps,
                                   't_max': t_max, 't_min': t_min, 'entropy_bound': entropy_bound,
                                   'confidence_threshold': confidence_threshold}, tokenizer)
 
@@ -483,7 +483,7 @@ if __name__ == '__main__':
         print0('note: eval_iters=0: evals compute no val_loss')
     acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
 
-    sampler_opts = dict(gen_length=gen_length, block_length=block_size, steps=steps, t_max=t_max, t_min=t_min,
+    sampler_opts = dict(gen_length=gen_length, block_length=canvas_length, steps=steps, t_max=t_max, t_min=t_min,
                         entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
                         adaptive_stop=True, early_stop=True)
 

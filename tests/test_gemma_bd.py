@@ -42,7 +42,7 @@ def examples(lens=((3, 5), (5, 2), (2, 9))):
 
 def batch(exs=None, bs=4, base=0, sc_p=0.5):
     exs = exs or examples()
-    return G.make_batch(exs, seeds(len(exs), base), pad_id=PAD, eos_id=EOS, vocab_size=V, eps=1e-3, block_size=bs,
+    return G.make_batch(exs, seeds(len(exs), base), pad_id=PAD, eos_id=EOS, vocab_size=V, eps=1e-3, canvas_length=bs,
                         max_seq_len=64, sc_p=sc_p)
 
 # -----------------------------------------------------------------------------

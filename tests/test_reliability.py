@@ -343,12 +343,12 @@ def test_out_dir_that_is_a_file(data_dir, tmp_path):
 
 
 def test_gemma_canvas_from_the_model_is_checked_before_training(data_dir, tmp_path):
-    # block_size=0 takes the model's canvas_length (256 from scratch), known only once the model is built: checked
+    # canvas_length=0 takes the model's own (256 from scratch), known only once the model is built: checked
     # then, before the first step (it used to train, then fail in the eval with no checkpoint)
     out = str(tmp_path / 'out')
-    one_error(run('gemma_bd.py', f'--data_dir={data_dir}', f'--out_dir={out}', *TINY, '--block_size=0',
+    one_error(run('gemma_bd.py', f'--data_dir={data_dir}', f'--out_dir={out}', *TINY, '--canvas_length=0',
                   '--gen_length=5', '--max_iters=2', code=2),
-              "gen_length=5 must be a multiple of the canvas, block_size=0: the model's canvas_length 256")
+              "gen_length=5 must be a multiple of the canvas, canvas_length=0: the model's own is 256")
     assert not os.path.exists(os.path.join(out, 'ckpt.pt'))
 
 

@@ -38,7 +38,7 @@ import hf
 import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered,
-                      adamw, full_state, resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval,
+                      adamw, full_state, resolve_config, RunLog, eval_line, stop_if_not_finite, Saver, guarded_eval,
                       corruption_seeds, fill_length, answer_rows, exact_match, checkpoint_activations, lora_for_run)
 from data.loader import collate, pack as pack_rows
 
@@ -589,7 +589,7 @@ if __name__ == '__main__':
         grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip if grad_clip > 0 else float('inf'))
         all_sum(loss_sum)
         step_loss = loss_sum[0].item()
-        check_finite(step_loss, grad_norm, step + 1, ckpt_path)  # one line and exit 1, before the step
+        stop_if_not_finite(step_loss, grad_norm, step + 1, ckpt_path)  # one line and exit 1, before the step
         die_at('step', step + 1)  # test hook: a kill mid-step (gradients computed, not applied)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

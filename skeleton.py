@@ -7,7 +7,7 @@ the same way. The functions read no config globals: a script passes what it uses
     settings       MODEL_KEYS, settings_error, resume_error, get_lr, git_commit
     checkpoints    lock_out_dir, save_run, load_run, die_at, StopSignal
     a run's life   open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered, adamw,
-                   full_state, resolve_config, RunLog, eval_line, check_finite, Saver, guarded_eval
+                   full_state, resolve_config, RunLog, eval_line, stop_if_not_finite, Saver, guarded_eval
     randomness     corruption_seeds, fill_length, check_mask_id
     the eval       answer_rows, exact_match, causal_lm_error
 
@@ -567,7 +567,7 @@ def eval_line(step, ev):
     return f'eval step {step} | ' + (' | '.join(f'{k} {v:.4f}' for k, v in ev.items()) or 'nothing to report')
 
 
-def check_finite(step_loss, grad_norm, step, ckpt_path):
+def stop_if_not_finite(step_loss, grad_norm, step, ckpt_path):
     """A non-finite loss or gradient norm stops the run with one line (exit 1) before the optimizer step."""
     if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
         fail(f'non-finite loss {step_loss} / grad_norm {float(grad_norm)} at step {step}; stopping. '

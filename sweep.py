@@ -56,15 +56,15 @@ TASK = {'sudoku': 'sudoku'}  # the synthetic task each family's default trains o
 
 
 def fresh_problems(task, n, data_dir, seed=7):
-    """The first n records of generate(task, ., seed) whose prompt is in neither split of data_dir: problems no
+    """The first n records of make_problems(task, ., seed) whose prompt is in neither split of data_dir: problems no
     run has seen, the same for every run of a sweep."""
     sys.path.insert(0, HERE)
-    from data.synthetic import generate
+    from data.synthetic import make_problems
     seen = set()
     for split in ('train', 'val'):
         with open(os.path.join(data_dir, f'{split}.jsonl')) as f:
             seen.update(json.loads(line)['messages'][0]['content'] for line in f)
-    out = [r for r in generate(task, 2 * n + len(seen), seed) if r['messages'][0]['content'] not in seen][:n]
+    out = [r for r in make_problems(task, 2 * n + len(seen), seed) if r['messages'][0]['content'] not in seen][:n]
     if len(out) < n:
         raise SystemExit(f'error: only {len(out)} fresh {task} problems outside {data_dir}')
     return out

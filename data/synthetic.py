@@ -9,8 +9,8 @@ Synthetic chat tasks with exactly checkable answers, small enough to train on a 
 Each record is one user/assistant exchange, one JSON object per line in train.jsonl / val.jsonl:
     {"messages": [{"role": "user", "content": "123+45"}, {"role": "assistant", "content": "168"}]}
 
-generate(task, n, seed) returns n records with pairwise distinct prompts, deterministic in (task, seed). The CLI
-takes the first n_train of generate(task, n_train + n_val, seed) as train and the rest as val, so no prompt is in
+make_problems(task, n, seed) returns n records with pairwise distinct prompts, deterministic in (task, seed). The CLI
+takes the first n_train of make_problems(task, n_train + n_val, seed) as train and the rest as val, so no prompt is in
 both splits, and train does not depend on n_val. Only a private random.Random is used (global RNGs untouched).
 
     python data/synthetic.py --task=add --n_train=20000 --n_val=500 --seed=0 --out_dir=data/add
@@ -100,7 +100,7 @@ def _sudoku(rng):
     return '/'.join(p[r:r + 4] for r in range(0, 16, 4)), solution
 
 
-def generate(task, n, seed):
+def make_problems(task, n, seed):
     """n records with pairwise distinct prompts; deterministic in (task, seed), and a prefix of any larger n.
     ValueError for an unknown task or more records than the task has distinct prompts."""
     if task not in TASKS:
@@ -130,7 +130,7 @@ def write_jsonl(records, path):
 
 def write_splits(task, out_dir, n_train, n_val, seed):
     """Write out_dir/train.jsonl and out_dir/val.jsonl (disjoint prompts)."""
-    records = generate(task, n_train + n_val, seed)
+    records = make_problems(task, n_train + n_val, seed)
     os.makedirs(out_dir, exist_ok=True)
     write_jsonl(records[:n_train], os.path.join(out_dir, 'train.jsonl'))
     write_jsonl(records[n_train:], os.path.join(out_dir, 'val.jsonl'))

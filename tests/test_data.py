@@ -168,10 +168,10 @@ def answer_ok(task, prompt, answer):
 
 @pytest.mark.parametrize('task', S.TASKS)
 def test_synthetic_deterministic_distinct_correct(task):
-    recs = S.generate(task, 300, seed=0)
-    assert recs == S.generate(task, 300, seed=0)
-    assert recs != S.generate(task, 300, seed=1)
-    assert S.generate(task, 100, seed=0) == recs[:100]  # train does not depend on n_val
+    recs = S.make_problems(task, 300, seed=0)
+    assert recs == S.make_problems(task, 300, seed=0)
+    assert recs != S.make_problems(task, 300, seed=1)
+    assert S.make_problems(task, 100, seed=0) == recs[:100]  # train does not depend on n_val
     prompts = [r['messages'][0]['content'] for r in recs]
     assert len(set(prompts)) == len(prompts)
     for r in recs:
@@ -194,7 +194,7 @@ def test_synthetic_cli_disjoint_splits(tmp_path):
     assert (len(splits['train']), len(splits['val'])) == (300, 50)
     prompts = {s: {r['messages'][0]['content'] for r in recs} for s, recs in splits.items()}
     assert not prompts['train'] & prompts['val']
-    assert splits['train'] + splits['val'] == S.generate('sort', 350, seed=3)
+    assert splits['train'] + splits['val'] == S.make_problems('sort', 350, seed=3)
 
 
 # -----------------------------------------------------------------------------

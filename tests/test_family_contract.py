@@ -45,3 +45,18 @@ def test_family_imports_the_skeleton_and_copies_none_of_it(script):
     defined = {n.name: n.lineno for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     copies = sorted(f'{name} (line {line})' for name, line in defined.items() if name in shared)
     assert not copies, f'{script} defines its own copy of skeleton.py\'s {", ".join(copies)}: import it instead'
+
+
+def test_shared_modules_name_each_public_function_once():
+    # one name, one function across the shared modules (family scripts repeat make_batch, corrupt, ... on purpose:
+    # a fork keeps the roles' names); hf.attention_mask and kernels.attention_mask were two different functions
+    import collections
+    owners = collections.defaultdict(list)
+    for name in ('skeleton.py', 'hf.py', 'kernels.py', 'sample.py', 'configurator.py', 'bench.py', 'sweep.py',
+                 'data/loader.py', 'data/prepare.py', 'data/synthetic.py', 'data/tokenizer.py', 'data/regenerate.py'):
+        with open(os.path.join(ROOT, name)) as f:
+            for node in ast.parse(f.read()).body:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith('_'):
+                    owners[node.name].append(name)
+    clashes = {k: v for k, v in owners.items() if len(v) > 1 and k != 'main'}
+    assert not clashes, clashes

@@ -11,14 +11,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import sweep  # noqa: E402
-from data.synthetic import generate, write_jsonl  # noqa: E402
+from data.synthetic import make_problems, write_jsonl  # noqa: E402
 
 pytestmark = pytest.mark.slow  # end-to-end runs: not in the fast tier (-m 'not slow')
 
 
 def test_fresh_problems_skip_every_train_and_val_prompt(tmp_path):
     # the splits hold exactly the problems fresh_problems would draw first, so a missing filter returns them
-    first = generate('add', 30, 7)
+    first = make_problems('add', 30, 7)
     write_jsonl(first[:10], str(tmp_path / 'train.jsonl'))
     write_jsonl(first[10:20:2], str(tmp_path / 'val.jsonl'))
     taken = {r['messages'][0]['content'] for r in first[:10] + first[10:20:2]}

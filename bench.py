@@ -9,6 +9,8 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py --only=pack --V=50304 --T=512   # llada step on mixed-length chat: packed rows vs padded rows
     python bench.py --only=ckpt          # one llada step with activation checkpointing vs without (long rows, where
                                          # activations dominate): peak memory and step time as ratios
+    python bench.py --only=lora          # llada steps with LoRA adapters vs full fine-tuning (short rows, where the
+                                         # weights' gradients and AdamW state dominate): peak memory and step time
     python bench.py --only=sample        # llada decoding: reference vs threshold vs prefix / dual KV cache, and
                                          # at batch 1 the reference setting vs a plain twin of LLaDA's loop
     python bench.py --only=sample --checkpoint=out-llada-sudoku --val=data/sudoku/val.jsonl --threshold=0.9,0.999
@@ -287,6 +289,71 @@ def ckpt_report(results, args):
 def ckpt_need_mib(variant, args):  # ~20 fp32 activations of width d per token per layer, stored (plain) or one layer's
     per_layer = 20 * args.B * args.ckpt_T * args.d * 4 / 2**20
     return per_layer * (args.ckpt_layers if variant == 'plain_step' else 2)
+
+
+# -----------------------------------------------------------------------------
+# lora: llada training steps with LoRA adapters (hf.add_lora, every linear but the LM head) vs full fine-tuning of
+# the same model; short rows, so what LoRA saves (the frozen weights' gradients and AdamW moments, 12 bytes per
+# parameter in fp32) is what the peak is made of. The peak counts from before the first step (AdamW's state included)
+
+LORA_VARIANTS = ['full_step', 'lora_step']
+
+
+def lora_child(variant, args):
+    import tempfile
+    import llada
+    torch.manual_seed(0)
+    V, B, T = args.lora_V, args.B, args.lora_T
+    model = hf.build_model('scratch', vocab_size=V, n_layer=args.n_layer, n_head=8, n_kv_head=8, n_embd=args.lora_d,
+                           intermediate_size=4 * args.lora_d, max_seq_len=T).train()
+    if variant == 'lora_step':
+        hf.add_lora(model, r=args.lora_r, alpha=2 * args.lora_r, dropout=0.0, target_modules='all-linear',
+                    base=tempfile.gettempdir())
+    x0 = torch.randint(V - 1, (B, T))
+    lm = torch.ones(B, T)
+    lm[:, :T // 4] = 0
+    xt, noise, p = llada.corrupt(x0, lm, mask_id=V - 1, eps=1e-3, seeds=torch.arange(B))
+    w, n_sup = llada.loss_weights(noise, p), lm.sum()
+    mdlm = llada.MDLM(model)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
+
+    def step():
+        ce, _ = mdlm(xt, x0, w)
+        (ce / n_sup).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')
+    base = _status_kib('VmRSS')
+    wall = []
+    for _ in range(args.iters + 1):  # the first step allocates AdamW's state: it counts for memory, not for time
+        t0 = time.perf_counter()
+        step()
+        wall.append(time.perf_counter() - t0)
+    trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    return {'s': statistics.median(wall[1:]), 'mib': (_status_kib('VmHWM') - base) / 1024, 'trained': trained,
+            'params': sum(q.numel() for q in model.parameters())}
+
+
+def lora_report(results, args):
+    print(f"lora: llada steps (forward+backward+AdamW, the peak from before the first step), {args.n_layer} layers, "
+          f"d={args.lora_d}, V={args.lora_V}, B={args.B} x T={args.lora_T}, r={args.lora_r}, fp32, median of "
+          f"{args.iters}, {torch.get_num_threads()} threads")
+    ref = results.get('full_step')
+    ok = ref is not None and 'error' not in ref
+    header = "| variant | parameters trained | s/step | peak MiB above baseline | step time vs full | memory vs full |"
+    for v, r in measured(results, header):
+        slow = f"{r['s'] / ref['s']:.2f}x" if ok else '-'
+        mem = f"{r['mib'] / ref['mib']:.3f}" if ok and ref['mib'] > 0 else '-'
+        print(f"| {v} | {r['trained'] / 1e6:.2f}M of {r['params'] / 1e6:.2f}M | {r['s']:.2f} | {r['mib']:.0f} | "
+              f"{slow} | {mem} |")
+
+
+def lora_need_mib(variant, args):  # fp32 weights' gradients + 2 AdamW moments: 12 bytes per trained parameter
+    d = args.lora_d
+    n = args.n_layer * 12 * d * d + args.lora_V * d
+    return 12 * n / 2**20 * (1 if variant == 'full_step' else 0.1)
 
 
 # -----------------------------------------------------------------------------
@@ -1181,6 +1248,7 @@ SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'train': (TRAIN_VARIANTS, train_child, train_report, train_need_mib),
             'pack': (PACK_VARIANTS, pack_child, pack_report, pack_need_mib),
             'ckpt': (CKPT_VARIANTS, ckpt_child, ckpt_report, ckpt_need_mib),
+            'lora': (LORA_VARIANTS, lora_child, lora_report, lora_need_mib),
             'sample': (sample_variants, sample_child, sample_report, sample_need_mib),
             'nemotron': (NEMOTRON_VARIANTS, nemotron_child, nemotron_report, nemotron_need_mib),
             'gemma': (GEMMA_VARIANTS, gemma_child, gemma_report, gemma_need_mib),
@@ -1221,6 +1289,10 @@ def parse_args(argv=None):
     p.add_argument('--ckpt_T', type=int, default=1024, help='ckpt: sequence length')
     p.add_argument('--ckpt_layers', type=int, default=8, help='ckpt: transformer layers')
     p.add_argument('--ckpt_V', type=int, default=512, help='ckpt: vocabulary size (small: the blocks dominate)')
+    p.add_argument('--lora_d', type=int, default=512, help='lora: hidden size')
+    p.add_argument('--lora_T', type=int, default=128, help='lora: sequence length')
+    p.add_argument('--lora_V', type=int, default=32000, help='lora: vocabulary size')
+    p.add_argument('--lora_r', type=int, default=16, help='lora: adapter rank')
     p.add_argument('--iters', type=int, default=3, help='timed iterations after one warm-up')
     p.add_argument('--checkpoint', default='out-llada', help='sample: a trained llada out_dir')
     p.add_argument('--val', default='data/add/val.jsonl', help='sample: chat JSONL prompts with answers')

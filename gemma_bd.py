@@ -319,7 +319,8 @@ if __name__ == '__main__':
     encoder_loss_weight = 1.0  # weight of the encoder's next-token loss (0 = off)
     # optimizer
     learning_rate = 2e-3  # peak AdamW learning rate
-    max_iters = 1000  # optimizer steps
+    max_iters = 2000  # optimizer steps. Not 1,000: runs leave the loss plateau at different steps (rounding decides),
+    # and at 1,000 two of ten swept runs had not (43.65 %, 77.45 %); the same two at 2,000: 98.40 %, 97.65 %
     weight_decay = 0.1  # AdamW weight decay (2-D weights only)
     beta1 = 0.9  # AdamW beta1
     beta2 = 0.98  # AdamW beta2

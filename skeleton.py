@@ -383,6 +383,9 @@ def load_resume(ckpt_path, family, config, given, shape_keys=()):
         fail(problem, 2)
     if checkpoint['step'] >= config['max_iters']:
         fail(f"{ckpt_path} is at step {checkpoint['step']} >= max_iters={config['max_iters']}: nothing to train", 2)
+    base = checkpoint.get('lora_base')
+    if base and not os.path.isfile(os.path.join(base, 'config.json')):
+        fail(f'{ckpt_path} holds LoRA adapters of {base}, which has no config.json: restore the base model there', 1)
     config.update({k: saved[k] for k in keys if k in saved})  # the model it is
     return checkpoint, saved
 

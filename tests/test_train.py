@@ -272,6 +272,15 @@ def test_lora_resume_is_bit_exact(data_dir, lora_base, tmp_path):
     assert all(torch.equal(ca['model'][k], cb['model'][k]) for k in ca['model'])
     r = run('sample.py', '--checkpoint', a, '--prompt', '12+34')  # hf/ is the adapter alone: sample.py adds the base
     assert r.stdout.startswith('12+34 -> ') and f"loaded {os.path.join(a, 'hf')} (step 4)" in r.stderr
+    moved = lora_base + '.moved'  # the base gone: resume says so in one line
+    os.rename(lora_base, moved)
+    try:
+        r = run('llada.py', f'--out_dir={a}', *common[:-3], '--init_from=resume', '--max_iters=6', check=False)
+    finally:
+        os.rename(moved, lora_base)
+    assert r.returncode == 1 and r.stderr.strip() == (f"error: {os.path.join(a, 'ckpt.pt')} holds LoRA adapters of "
+                                                      f"{lora_base}, which has no config.json: restore the base model "
+                                                      f"there"), r.stderr
 
 
 def test_lora_fsdp_two_ranks_equal_one_rank(data_dir, lora_base, tmp_path):

@@ -9,21 +9,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_ckpt_section_runs_both_variants():
-    r = subprocess.run([sys.executable, 'bench.py', '--only=ckpt', '--ckpt_T=64', '--B=2', '--ckpt_layers=2', '--d=32',
-                        '--iters=1'], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+def test_ckpt_and_lora_sections_run_both_variants():
+    r = subprocess.run([sys.executable, 'bench.py', '--only=ckpt,lora', '--ckpt_T=64', '--B=2', '--ckpt_layers=2',
+                        '--d=32', '--lora_d=32', '--lora_V=64', '--lora_T=16', '--n_layer=2', '--iters=1'],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr[-2000:]
     rows = re.findall(r'^\| (plain_step|checkpointed_step) \| [\d.]+ \| [\d,]+ \| \d+ \| [\d.]+x \| [\d.]+ \|$', r.stdout,
                       re.M)
     assert rows == ['plain_step', 'checkpointed_step'], r.stdout
-
-
-def test_lora_section_runs_both_variants():
-    r = subprocess.run([sys.executable, 'bench.py', '--only=lora', '--lora_d=32', '--lora_V=64', '--lora_T=16', '--B=2',
-                        '--n_layer=2', '--iters=1'], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert r.returncode == 0, r.stderr[-2000:]
     rows = re.findall(r'^\| (full_step|lora_step) \| ([\d.]+)M of ([\d.]+)M \|', r.stdout, re.M)
     assert [v for v, _, _ in rows] == ['full_step', 'lora_step'], r.stdout
     (_, full_n, full_p), (_, lora_n, lora_p) = rows

@@ -6,6 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # bench subprocesses (~15 s): not in the fast tier
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -189,17 +189,38 @@ def scdd_need_mib(variant, args):
 TRAIN_VARIANTS = ['naive_step', 'llada_step']
 
 
+def llada_batch(V, B, T):
+    """A corrupted llada batch of random tokens: xt, x0, w (B, T) and n_sup. Id V-1 is the mask; the first quarter
+    of each row is a prompt, never corrupted."""
+    import llada
+    x0 = torch.randint(V - 1, (B, T))
+    lm = torch.ones(B, T)
+    lm[:, :T // 4] = 0
+    xt, noise, p = llada.corrupt(x0, lm, mask_id=V - 1, eps=1e-3, seeds=torch.arange(B))
+    return xt, x0, llada.loss_weights(noise, p), lm.sum()
+
+
+def llada_step(model, xt, x0, w, n_sup):
+    """One llada training step (MDLM loss, backward, AdamW over the trainable parameters) as a closure."""
+    import llada
+    mdlm = llada.MDLM(model)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
+
+    def step():
+        ce, _ = mdlm(xt, x0, w)
+        (ce / n_sup).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
 def train_child(variant, args):
     import llada
     torch.manual_seed(0)
     V, B, T = args.V, args.B, args.T
     model = hf.build_model('scratch', vocab_size=V, n_layer=args.n_layer, n_head=4, n_kv_head=4, n_embd=args.d,
                               intermediate_size=4 * args.d, max_seq_len=T)
-    x0 = torch.randint(V - 1, (B, T))  # (B, T) clean tokens; id V-1 is the mask
-    lm = torch.ones(B, T)
-    lm[:, :T // 4] = 0  # a prompt quarter, never corrupted
-    xt, noise, p = llada.corrupt(x0, lm, mask_id=V - 1, eps=1e-3, seeds=torch.arange(B))
-    w, n_sup = llada.loss_weights(noise, p), lm.sum()
+    xt, x0, w, n_sup = llada_batch(V, B, T)
     mdlm = llada.MDLM(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -248,27 +269,13 @@ CKPT_VARIANTS = ['plain_step', 'checkpointed_step']
 
 
 def ckpt_child(variant, args):
-    import llada
     torch.manual_seed(0)
     V, B, T = args.ckpt_V, args.B, args.ckpt_T
     model = hf.build_model('scratch', vocab_size=V, n_layer=args.ckpt_layers, n_head=4, n_kv_head=4, n_embd=args.d,
                            intermediate_size=4 * args.d, max_seq_len=T).train()
     if variant == 'checkpointed_step':
         hf.checkpoint_layers(model)
-    x0 = torch.randint(V - 1, (B, T))  # (B, T) clean tokens; id V-1 is the mask
-    lm = torch.ones(B, T)
-    lm[:, :T // 4] = 0  # a prompt quarter, never corrupted
-    xt, noise, p = llada.corrupt(x0, lm, mask_id=V - 1, eps=1e-3, seeds=torch.arange(B))
-    w, n_sup = llada.loss_weights(noise, p), lm.sum()
-    mdlm = llada.MDLM(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        ce, _ = mdlm(xt, x0, w)
-        (ce / n_sup).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = llada_step(model, *llada_batch(V, B, T))
     r = _measure(step, args.iters)
     r['tok_s'] = B * T / r['s']
     return r
@@ -301,7 +308,6 @@ LORA_VARIANTS = ['full_step', 'lora_step']
 
 def lora_child(variant, args):
     import tempfile
-    import llada
     torch.manual_seed(0)
     V, B, T = args.lora_V, args.B, args.lora_T
     model = hf.build_model('scratch', vocab_size=V, n_layer=args.n_layer, n_head=8, n_kv_head=8, n_embd=args.lora_d,
@@ -309,19 +315,7 @@ def lora_child(variant, args):
     if variant == 'lora_step':
         hf.add_lora(model, r=args.lora_r, alpha=2 * args.lora_r, dropout=0.0, target_modules='all-linear',
                     base=tempfile.gettempdir())
-    x0 = torch.randint(V - 1, (B, T))
-    lm = torch.ones(B, T)
-    lm[:, :T // 4] = 0
-    xt, noise, p = llada.corrupt(x0, lm, mask_id=V - 1, eps=1e-3, seeds=torch.arange(B))
-    w, n_sup = llada.loss_weights(noise, p), lm.sum()
-    mdlm = llada.MDLM(model)
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
-
-    def step():
-        ce, _ = mdlm(xt, x0, w)
-        (ce / n_sup).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = llada_step(model, *llada_batch(V, B, T))
 
     with open('/proc/self/clear_refs', 'w') as f:
         f.write('5')

@@ -669,7 +669,7 @@ def nemotron_report(results, args):
     for v, r in measured(results, header):
         o = r['opts']
         s = ('AR, KV cache' if o['mode'] == 'ar' else
-             f"gen {o['gen_length']}, block {o['block_length']}, steps {o['steps']}, threshold {o['threshold']}, "
+             f"gen {o['gen_length']}, block {o['block_length']}, steps/block {o['steps_per_block']}, threshold {o['threshold']}, "
              f"{'exact KV cache' if o['cache'] == 'prefix' else 'no cache'}")
         same = ('yes' if r['outs'] == ref['outs'] else 'NO') if ok and o['mode'] != 'ar' else '-'
         speed = f"{(r['tokens'] / r['wall']) / (ref['tokens'] / ref['wall']):.2f}x" if ok else '-'
@@ -704,7 +704,7 @@ def gemma_child(variant, args):
 
     def hf_generate(p, stats):  # transformers' loop on one prompt; its output cut at the first EOS
         x = torch.tensor([p])
-        out = model.generate(x, max_new_tokens=opts['gen_length'], max_denoising_steps=opts['steps'],
+        out = model.generate(x, max_new_tokens=opts['gen_length'], max_denoising_steps=opts['steps_per_block'],
                              eos_token_id=meta['eos_id'], pad_token_id=meta['pad_id'], t_min=opts['t_min'],
                              t_max=opts['t_max'], confidence_threshold=opts['confidence_threshold']).sequences
         row = out[0, len(p):].tolist()
@@ -747,7 +747,7 @@ def gemma_report(results, args):
         ok = ref is not None and 'error' not in ref
         s = (f"{'transformers generate()' if v == 'transformers_b1' else 'sample.py'}, batch 1" if b1 else
              f"batch {args.sample_batch}, {'adaptive stop' if o['adaptive_stop'] else 'every step'}") + \
-            f", canvas {o['block_length']}, steps {o['steps']}"
+            f", canvas {o['block_length']}, steps/canvas {o['steps_per_block']}"
         speed = f"{(r['tokens'] / r['wall']) / (ref['tokens'] / ref['wall']):.2f}x vs {'transformers' if b1 else 'every step'}" if ok else '-'
         same = ('yes' if r['outs'] == ref['outs'] else 'NO') if ok and b1 else '-'
         steps = f"{r['denoise'] / r['canvases']:.2f}" if r.get('canvases') else '-'

@@ -266,9 +266,9 @@ def family_settings_error(c):
     if c['init_from'] == 'scratch' and not (1 <= c['top_k_experts'] <= c['n_experts'] and c['sliding_window'] >= 1):
         return (f"need 1 <= top_k_experts={c['top_k_experts']} <= n_experts={c['n_experts']} and sliding_window="
                 f"{c['sliding_window']} >= 1")
-    if c['steps'] < 1 or c['gen_length'] % (c['canvas_length'] or c['gen_length']):
+    if c['steps_per_block'] < 1 or c['gen_length'] % (c['canvas_length'] or c['gen_length']):
         return (f"gen_length={c['gen_length']} must be a multiple of canvas_length={c['canvas_length']} and "
-                f"steps={c['steps']} >= 1")
+                f"steps_per_block={c['steps_per_block']} >= 1")
     if not (0 < c['t_min'] <= c['t_max'] and c['entropy_bound'] > 0 and c['confidence_threshold'] >= 0):
         return (f"need 0 < t_min={c['t_min']} <= t_max={c['t_max']}, entropy_bound={c['entropy_bound']} > 0 and "
                 f"confidence_threshold={c['confidence_threshold']} >= 0")
@@ -331,7 +331,7 @@ if __name__ == '__main__':
     min_lr = 1e-4  # final learning rate
     # eval & sampling (the gemma sampler used for the accuracy eval)
     gen_length = 8  # tokens generated per val prompt, in canvases of canvas_length (add: up to 4 digits + EOS)
-    steps = 48  # denoising steps per canvas at most
+    steps_per_block = 48  # denoising steps per canvas (the block) at most
     t_max = 0.8  # sampling temperature at the first step, annealed linearly to ...
     t_min = 0.4  # ... this at the last
     entropy_bound = 0.1  # accept the lowest-entropy positions while Σ entropy - max entropy <= this
@@ -471,7 +471,7 @@ if __name__ == '__main__':
                            'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
                            'torch_rng': torch.get_rng_state()},
                  raw_model, msd, {**meta, 'family': FAMILY, 'module': MODULE, 'sampler': 'gemma',
-                                  'gen_length': gen_length, 'block_length': canvas_length, 'steps': steps,
+                                  'gen_length': gen_length, 'block_length': canvas_length, 'steps_per_block': steps_per_block,
                                   't_max': t_max, 't_min': t_min, 'entropy_bound': entropy_bound,
                                   'confidence_threshold': confidence_threshold}, tokenizer)
 
@@ -484,7 +484,7 @@ if __name__ == '__main__':
         print0('note: eval_iters=0: evals compute no val_loss')
     acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
 
-    sampler_opts = dict(gen_length=gen_length, block_length=canvas_length, steps=steps, t_max=t_max, t_min=t_min,
+    sampler_opts = dict(gen_length=gen_length, block_length=canvas_length, steps_per_block=steps_per_block, t_max=t_max, t_min=t_min,
                         entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
                         adaptive_stop=True, early_stop=True)
 

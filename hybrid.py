@@ -214,9 +214,9 @@ def family_settings_error(c):
         return (f"eos_fill={c['eos_fill']} must be >= 0, mask_id={c['mask_id']} >= -1 (-1: from meta.json) and "
                 f"pad_block_size={c['pad_block_size']} >= 1")
     bl = c['block_length'] or c['block_size'] or c['gen_length']
-    if c['block_length'] < 0 or c['steps'] < 1 or c['gen_length'] % bl:
+    if c['block_length'] < 0 or c['steps_per_block'] < 1 or c['gen_length'] % bl:
         return (f"gen_length={c['gen_length']} must be a multiple of the sampler's block_length={bl} (>= 0; 0: "
-                f"block_size) and steps={c['steps']} >= 1")
+                f"block_size) and steps_per_block={c['steps_per_block']} >= 1")
     if not 0 <= c['threshold'] <= 1:
         return f"threshold={c['threshold']} must be in [0, 1] (0: the even schedule)"
     return None
@@ -284,7 +284,7 @@ if __name__ == '__main__':
     # eval & sampling (the nemotron sampler used for the accuracy eval, and the same model in AR mode)
     gen_length = 8  # tokens generated per val prompt (add: up to 4 digits + EOS)
     block_length = 0  # the sampler's block length (0 = block_size, or gen_length when block_size is 0)
-    steps = 8  # denoising steps per block at most (the even schedule when threshold is 0)
+    steps_per_block = 8  # denoising steps per block at most (the even schedule when threshold is 0)
     threshold = 0.9  # commit every masked position with confidence >= threshold (and always the top-1); 0 = off
     # system
     device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' ...
@@ -385,7 +385,7 @@ if __name__ == '__main__':
                            'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
                            'mask_id': mask_id, 'torch_rng': torch.get_rng_state()},
                  raw_model, msd, {**meta, 'mask_id': mask_id, 'family': FAMILY, 'module': MODULE, 'sampler': 'nemotron',
-                                  'gen_length': gen_length, 'block_length': eval_block, 'steps': steps,
+                                  'gen_length': gen_length, 'block_length': eval_block, 'steps_per_block': steps_per_block,
                                   'threshold': threshold, 'block_size': block_size, 'block_origin': block_origin},
                  tokenizer)
 
@@ -399,7 +399,7 @@ if __name__ == '__main__':
     acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
 
     eval_block = block_length or block_size or gen_length  # the nemotron sampler's block length
-    sampler_opts = {'diffusion': dict(gen_length=gen_length, block_length=eval_block, steps=steps, threshold=threshold,
+    sampler_opts = {'diffusion': dict(gen_length=gen_length, block_length=eval_block, steps_per_block=steps_per_block, threshold=threshold,
                                       early_stop=True),
                     'ar': dict(gen_length=gen_length, mode='ar', early_stop=True)}
 

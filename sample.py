@@ -14,6 +14,8 @@ directory. Prompts are wrapped in the tokenizer's chat format (the user turn + t
 Each sampler is a plain function with one shape of signature,
     sample_<name>(model, x, *, prompt_mask, gen_length, steps, block_length, temperature, ..., mask_id, eos_id,
                   generator, stats=None, callback=None) -> LongTensor (B, P + gen_length)
+(`steps` counts denoising steps over the whole canvas; a sampler that counts them per block takes `steps_per_block`
+instead, so one option name never means two things)
 where x (B, P) holds the prompts LEFT-padded to a common length P and prompt_mask (B, P) marks the real tokens.
 Left padding keeps every row's canvas at the same positions; position ids count real tokens only and pad keys are
 masked, so a padded row computes what it would alone. `stats` (a dict or None) gets stats['nfe'] += 1 per model
@@ -99,8 +101,8 @@ def infill_of(name, **declared):
 
 OPTIONS = {  # every sampler option the command line takes: (type, help). A sampler's preset says which it takes.
     'gen_length': (int, "tokens to generate (a checkpoint's meta.json overrides the preset lengths)"),
-    'steps': (int, 'denoising steps: in total for llada and infill, per block for llada2, nemotron and gemma (at '
-                   'most)'),
+    'steps': (int, 'denoising steps in total over the canvas (llada, infill, scdd)'),
+    'steps_per_block': (int, 'denoising steps per block at most (llada2, nemotron; gemma: per canvas, its block)'),
     'block_length': (int, 'semi-autoregressive block length (infill: 0 = the whole prompt)'),
     'temperature': (float, 'sampling temperature, 0 = greedy'),
     'remasking': (str, "which masked positions to commit: 'low_confidence' or 'random'"),
@@ -449,10 +451,10 @@ def infill_llada(model, x, *, prompt_mask=None, steps=128, block_length=0, tempe
 
 
 @sampler('llada2', families=('llada',),
-         preset=dict(gen_length=128, steps=32, block_length=32, temperature=0.0, threshold=0.5,
+         preset=dict(gen_length=128, steps_per_block=32, block_length=32, temperature=0.0, threshold=0.5,
                      editing_threshold=None, max_post_steps=16, early_stop=True))
 @torch.no_grad()
-def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block_length=32, temperature=0.0,
+def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps_per_block=32, block_length=32, temperature=0.0,
                   threshold=0.5, editing_threshold=None, max_post_steps=16, early_stop=True, mask_id, eos_id=-1,
                   generator=None, stats=None, callback=None):
     """LLaDA2.0 block refinement with LLaDA2.1 token editing (LLaDA2.0/2.1, arXiv 2602.08676; diffusers pipeline_llada2
@@ -461,10 +463,11 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
     Blocks of block_length after the prompt, one at a time; a step forwards the canvas up to the end of the
     current block (as LLaDA2: future blocks are not in the window) with bidirectional attention over it (our
     MDLMs are trained bidirectional; LLaDA2's own checkpoints use a block-causal mask, not done here).
-    `steps` is per block (LLaDA2's meaning, not llada's total): min(steps, block_length) mask-filling steps at most.
+    `steps_per_block` (LLaDA2's `steps`; llada's `steps` count the whole canvas): min(steps_per_block, block_length)
+    mask-filling steps at most.
     Each step, from one forward (x0, p = argmax and its probability, greedy at T=0 / Gumbel at T):
       M2T: commit every masked position of the block with p > threshold, at least the quota n_k of the even
-           schedule (with steps >= block_length, n_k = 1: "else the single best", sglang);
+           schedule (with steps_per_block >= block_length, n_k = 1: "else the single best", sglang);
       T2T (editing_threshold not None): overwrite already-committed, non-prompt tokens of the current block whose
            x0 differs with p > editing_threshold. 0.0 edits whenever the argmax changes (sglang's default edit
            threshold); the diffusers docs say None/0.0 disable editing; here only None does.
@@ -473,9 +476,9 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
     with nothing masked before it (checked every step without editing, once its block is settled with editing).
     Done rows leave the batch, as in sample_llada.
     With editing off, greedy, one block (gen_length == block_length) and no confidence exactly equal to the
-    threshold, this is sample_llada(threshold=t, steps=steps, early_stop) with '>' for '>='.
+    threshold, this is sample_llada(threshold=t, steps=steps_per_block·n_blocks, early_stop) with '>' for '>='.
     Returns (B, P + gen_length)."""
-    need(steps >= 1, f'steps must be >= 1, got {steps}')
+    need(steps_per_block >= 1, f'steps_per_block must be >= 1, got {steps_per_block}')
     check_common(temperature, mask_id, threshold)
     need(max_post_steps >= 0, f'max_post_steps must be >= 0, got {max_post_steps}')
     need(editing_threshold is None or 0 <= editing_threshold <= 1,
@@ -485,7 +488,7 @@ def sample_llada2(model, x, *, prompt_mask=None, gen_length=128, steps=32, block
     x, key_valid, pos, attn = make_canvas(x, prompt_mask, gen_length, mask_id)
     bl, n_blocks = block_length, gen_length // block_length
     r = Rows(x, P, mask_id, eos_id, pos=pos, attn=attn, active=None, post=None)
-    S = min(steps, bl)
+    S = min(steps_per_block, bl)
     quota = even_schedule(bl, S)  # n_k per mask-filling step
     for nb in range(n_blocks):
         lo, hi = P + nb * bl, P + (nb + 1) * bl
@@ -682,10 +685,10 @@ def sample_scdd(model, x, *, prompt_mask=None, gen_length=128, steps=128, temper
 
 
 @sampler('nemotron', families=('hybrid',),
-         preset=dict(gen_length=128, block_length=32, steps=32, temperature=0.0, threshold=0.9, early_stop=True,
+         preset=dict(gen_length=128, block_length=32, steps_per_block=32, temperature=0.0, threshold=0.9, early_stop=True,
                      mode='diffusion', cache='prefix'))
 @torch.no_grad()
-def sample_nemotron(model, x, *, prompt_mask=None, gen_length=128, block_length=32, steps=32, temperature=0.0,
+def sample_nemotron(model, x, *, prompt_mask=None, gen_length=128, block_length=32, steps_per_block=32, temperature=0.0,
                     threshold=0.9, early_stop=True, mode='diffusion', cache='prefix', mask_id, eos_id=-1,
                     generator=None, stats=None, callback=None):
     """Nemotron-Labs-Diffusion decoding of a hybrid (hybrid.py) checkpoint: block diffusion against an exact KV
@@ -700,7 +703,7 @@ def sample_nemotron(model, x, *, prompt_mask=None, gen_length=128, block_length=
     x0 = argmax(logits + Gumbel/T) at the same positions (no shift: hybrid.py trains same-position labels) and
     commits
       threshold t > 0: every masked slot with confidence >= t, at least the even schedule's quota over
-                   min(steps, block_length - 1) steps (1 when steps >= block_length - 1: Fast-dLLM's top-1);
+                   min(steps_per_block, block_length - 1) steps (1 when steps_per_block >= block_length - 1: Fast-dLLM's top-1);
       threshold 0: the even schedule alone.
     A block sees the clean prefix before it, causally encoded, and nothing after it: what hybrid.py trains an x_t
     block to see when the training blocks start at the response (block_origin='response'). The cache is EXACT:
@@ -717,14 +720,14 @@ def sample_nemotron(model, x, *, prompt_mask=None, gen_length=128, block_length=
                          mask_id=mask_id, eos_id=eos_id, generator=generator, use_cache=cache == 'prefix',
                          stop_at_eos=early_stop, stats=stats, callback=callback)
     check_blocks(gen_length, block_length)
-    need(steps >= 1, f'steps (per block) must be >= 1, got {steps}')
+    need(steps_per_block >= 1, f'steps_per_block must be >= 1, got {steps_per_block}')
     threshold = threshold or None  # 0 = the even schedule
     B, P = x.shape
     bl, cached = block_length, cache == 'prefix'
     x, key_valid, pos, _ = make_canvas(x, prompt_mask, gen_length, mask_id)  # (B, T) each
     padded = not bool(key_valid.all())
     r = Rows(x, P, mask_id, eos_id, key_valid=key_valid, pos=pos, kv=hf.new_cache() if cached else None)
-    quota = even_schedule(bl - 1, min(steps, bl - 1), at_least=0 if threshold is None else 1) if bl > 1 else ()
+    quota = even_schedule(bl - 1, min(steps_per_block, bl - 1), at_least=0 if threshold is None else 1) if bl > 1 else ()
     eos_stop = early_stop and eos_id >= 0
 
     def step_done(commit, lo, last):
@@ -795,11 +798,11 @@ def draw_tokens(probs, generator=None):
          model_error=lambda m: None if hasattr(getattr(m, 'model', None), 'encoder') else
          'it needs a DiffusionGemma model (an encoder and a canvas decoder; a gemma_bd.py checkpoint)',
          report=lambda t: {'steps/canvas': t.get('denoise', 0) / max(t.get('canvases', 0), 1)},
-         preset=dict(gen_length=256, block_length=256, steps=48, t_max=0.8, t_min=0.4, entropy_bound=0.1,
+         preset=dict(gen_length=256, block_length=256, steps_per_block=48, t_max=0.8, t_min=0.4, entropy_bound=0.1,
                      confidence_threshold=0.005, stability_threshold=1, adaptive_stop=True, self_conditioning=True,
                      early_stop=True))
 @torch.no_grad()
-def sample_gemma(model, x, *, prompt_mask=None, gen_length=256, block_length=256, steps=48, t_max=0.8, t_min=0.4,
+def sample_gemma(model, x, *, prompt_mask=None, gen_length=256, block_length=256, steps_per_block=48, t_max=0.8, t_min=0.4,
                  entropy_bound=0.1, confidence_threshold=0.005, stability_threshold=1, adaptive_stop=True,
                  self_conditioning=True, early_stop=True, mask_id=-1, eos_id=-1, generator=None, stats=None,
                  callback=None):
@@ -808,9 +811,9 @@ def sample_gemma(model, x, *, prompt_mask=None, gen_length=256, block_length=256
 
     Canvases of block_length (the model's canvas_length) after the prompt, one at a time. The causal encoder pass
     puts the prompt (then each finished canvas) into the KV cache; the canvas starts as uniform random tokens and
-    for n = steps .. 1 (n = steps remaining):
+    for n = steps_per_block .. 1 (n = steps remaining; the canvas is the block):
       logits  = decoder(canvas | cache, self-conditioning on the previous step's tempered logits; zeros at first)
-      tempered = logits / (t_min + (t_max - t_min)·n/steps)                    (hot -> cold)
+      tempered = logits / (t_min + (t_max - t_min)·n/steps_per_block)                    (hot -> cold)
       draw ~ softmax(tempered) per position; argmax canvas = argmax tempered
       H_i = entropy of softmax(tempered)_i; sorted ascending, accept the longest prefix with
             Σ_{j<=k} H_(j) - H_(k) <= entropy_bound (the EB-sampler's bound on the accepted tokens' mutual
@@ -823,7 +826,7 @@ def sample_gemma(model, x, *, prompt_mask=None, gen_length=256, block_length=256
     (the ablation). Canvas rows already done ride along in the batched forward until the canvas is over; row_nfe
     counts only the rows still denoising, as transformers' tokens_per_forward does, but NFE also counts each
     canvas's encoder pass (transformers counts decoder passes only); the --eval line adds steps/canvas, the
-    mean denoising steps a canvas took (adaptive stopping: well below --steps).
+    mean denoising steps a canvas took (adaptive stopping: well below --steps_per_block).
     The random draws (uniform_tokens, draw_tokens) consume `generator` in transformers' order, so for one prompt
     and the same seed the output equals DiffusionGemmaForBlockDiffusion.generate()'s token for token (tested).
     mask_id is unused (no [MASK]: the noise is uniform). Returns (B, P + gen_length)."""
@@ -832,7 +835,7 @@ def sample_gemma(model, x, *, prompt_mask=None, gen_length=256, block_length=256
          f'need entropy_bound > 0, confidence_threshold >= 0, stability_threshold >= 0, got {entropy_bound}, '
          f'{confidence_threshold}, {stability_threshold}')
     check_blocks(gen_length, block_length)
-    need(steps >= 1, f'steps (per canvas) must be >= 1, got {steps}')
+    need(steps_per_block >= 1, f'steps_per_block must be >= 1, got {steps_per_block}')
     B, P = x.shape
     C, V, dev = block_length, model.config.get_text_config().vocab_size, x.device
     fill = max(eos_id, 0)
@@ -849,14 +852,14 @@ def sample_gemma(model, x, *, prompt_mask=None, gen_length=256, block_length=256
         canvas = uniform_tokens((r.n, C), V, generator, dev)
         argmax, sc, done = canvas, None, torch.zeros(r.n, dtype=torch.bool, device=dev)
         history = torch.full((stability_threshold, r.n, C), -1, dtype=torch.long, device=dev)
-        for n in range(steps, 0, -1):
+        for n in range(steps_per_block, 0, -1):
             active = int((~done).sum())
             _count(stats, active)
             if stats is not None:
                 stats['denoise'] = stats.get('denoise', 0) + active
             logits = hf.gemma_decode(model, canvas, cache=r.kv, mask=r.key_valid[:, :hi], pos=r.pos[:, lo:hi],
                                      sc_logits=sc if self_conditioning else None)  # (B', C, V) float32
-            logits = logits / (t_min + (t_max - t_min) * n / steps)
+            logits = logits / (t_min + (t_max - t_min) * n / steps_per_block)
             check_finite(logits.amax(-1))
             probs = torch.softmax(logits, -1, dtype=torch.float32)
             drawn = draw_tokens(probs.view(-1, V), generator).view(r.n, C)
@@ -1211,6 +1214,8 @@ def load_checkpoint(path, device='cpu', dtype=torch.float32, trust_remote_code=F
             raise ValueError(f'{meta_path}: not valid JSON ({e})') from None
         if meta.get('tokenizer') == 'hf':  # the tokenizer files were exported next to the weights
             meta = {**meta, 'tokenizer_path': d}
+        if 'steps' in meta and 'steps_per_block' in getattr(SAMPLERS.get(meta.get('sampler')), 'preset', {}):
+            meta['steps_per_block'] = meta.pop('steps')  # an export from before the per-block count had its own name
     weights = ', '.join(sorted(glob.glob(os.path.join(d, '*.safetensors')) + glob.glob(os.path.join(d, '*.bin'))))
     try:
         spec = SAMPLERS.get(meta.get('sampler'))
@@ -1514,7 +1519,9 @@ def main(argv=None):
     given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
     unused = [k for k in given if k not in spec.preset]
     if unused:
-        fail(f'--{unused[0]} does not apply to ' + ('--infill' if args.infill else f'sampler {name!r}'))
+        other = {'steps': 'steps_per_block', 'steps_per_block': 'steps'}.get(unused[0])
+        fail(f'--{unused[0]} does not apply to ' + ('--infill' if args.infill else f'sampler {name!r}')
+             + (f' (it takes --{other})' if other in spec.preset else ''))
     family = meta.get('family')
     if family and family not in spec.families and meta.get('sampler') != name:  # a fork names its sampler
         what = f"sampler {name!r} decodes {', '.join(spec.families)} checkpoints, not {family!r}"

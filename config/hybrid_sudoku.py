@@ -7,4 +7,4 @@ dataset = 'sudoku'
 eval_interval = 500
 gen_length = 24  # 16 cells + EOS, in blocks of 8
 block_size = 8
-steps = 8
+steps_per_block = 8

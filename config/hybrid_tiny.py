@@ -24,5 +24,5 @@ block_origin = 'response'  # blocks start at the response: the sampler's blocks 
 half_life_ratio = 0.25
 ar_loss_alpha = 0.3
 gen_length = 8  # one block
-steps = 8
+steps_per_block = 8
 threshold = 0.9

@@ -302,7 +302,7 @@ def test_shard_units_group_the_tied_encoder_and_decoder_layers(tiny):
 
 
 def gen(model, x, pm=None, seed=0, **kw):
-    opts = dict(gen_length=8, block_length=4, steps=6, eos_id=EOS)
+    opts = dict(gen_length=8, block_length=4, steps_per_block=6, eos_id=EOS)
     return sample.sample_gemma(model, x, prompt_mask=pm, generator=torch.Generator().manual_seed(seed),
                                **{**opts, **kw})
 
@@ -312,7 +312,7 @@ def test_sampler_equals_transformers_generate(tiny, adaptive):
     # one prompt, the same seed: our loop (sample.py) and DiffusionGemmaForBlockDiffusion.generate() decode the
     # same tokens, canvas after canvas (3 canvases of 4; generate's own default sampler settings)
     x = torch.tensor([[5, 6, 7, 8, 9]])
-    kw = dict(gen_length=12, steps=10, confidence_threshold=0.005 if adaptive else 1e-12)  # 1e-12: never stops
+    kw = dict(gen_length=12, steps_per_block=10, confidence_threshold=0.005 if adaptive else 1e-12)  # 1e-12: never stops
     for seed in range(3):
         ours = gen(tiny, x, seed=seed, early_stop=False, **kw)[0, 5:]
         torch.manual_seed(seed)
@@ -336,7 +336,7 @@ def test_sampler_seeded_in_vocabulary_and_stops_at_eos(tiny, monkeypatch):
     monkeypatch.setattr(sample.hf, 'gemma_decode', sure)
     stats = {}
     out = sample.generate(tiny, [[5, 6, 7], [8, 9]], sampler='gemma', pad_id=PAD, eos_id=EOS, gen_length=12,
-                          block_length=4, steps=6, generator=torch.Generator().manual_seed(0), stats=stats)
+                          block_length=4, steps_per_block=6, generator=torch.Generator().manual_seed(0), stats=stats)
     assert out == [[3], [3]] and stats['canvases'] == 2  # one canvas per row: EOS ended both
     assert stats['denoise'] == 2 * 2  # stable after the second step, and confident: adaptive stop
 
@@ -372,7 +372,7 @@ def test_sampler_rejects_bad_options(tiny):
     x = torch.tensor([[5, 6]])
     for kw, msg in [(dict(t_min=0.0), 't_min'), (dict(gen_length=6), 'multiple'), (dict(entropy_bound=0.0),
                                                                                      'entropy_bound'),
-                    (dict(steps=0), 'steps')]:
+                    (dict(steps_per_block=0), 'steps_per_block')]:
         with pytest.raises(ValueError, match=msg):
             gen(tiny, x, **kw)
 

@@ -214,7 +214,7 @@ def nemotron(model, prompts, **kw):
                                                    (6, 6, 0.0, 5)])
 def test_cached_equals_uncached_and_batched_equals_one_by_one(bl, gl, threshold, steps):
     model = tiny_model(3)
-    kw = dict(gen_length=gl, block_length=bl, threshold=threshold, steps=steps)
+    kw = dict(gen_length=gl, block_length=bl, threshold=threshold, steps_per_block=steps)
     sa, sb = {}, {}
     cached = nemotron(model, PROMPTS, cache='prefix', stats=sa, **kw)
     plain = nemotron(model, PROMPTS, cache='none', stats=sb, **kw)
@@ -230,7 +230,7 @@ def test_rows_ending_mid_block_leave_the_batch_with_their_cache_rows():
     # an EOS that some rows produce mid-block and others later or never: rows retire at different steps (their KV
     # cache rows with them), and every row still decodes what it decodes alone and uncached
     model = tiny_model(3)
-    kw = dict(gen_length=12, block_length=4, threshold=0.5, steps=3)
+    kw = dict(gen_length=12, block_length=4, threshold=0.5, steps_per_block=3)
     full = sample.generate(model, PROMPTS, sampler='nemotron', pad_id=PAD, eos_id=-1, mask_id=MASK, **kw)
     eos = full[0][5]  # a token row 0 emits mid-canvas (inside its second block)
     run = lambda ps, **o: sample.generate(model, ps, sampler='nemotron', pad_id=PAD, eos_id=eos, mask_id=MASK,
@@ -272,11 +272,11 @@ def test_nfe_accounting_and_parallel_commits():
     model = tiny_model(3)
     st = {}
     x, pm = sample.pad_prompts(PROMPTS, PAD)
-    sample.SAMPLERS['nemotron'](model, x, prompt_mask=pm, gen_length=8, block_length=4, threshold=0.0, steps=3,
+    sample.SAMPLERS['nemotron'](model, x, prompt_mask=pm, gen_length=8, block_length=4, threshold=0.0, steps_per_block=3,
                                 early_stop=False, mask_id=MASK, eos_id=-1, stats=st)
     assert st == {'nfe': 2 * (1 + 3), 'row_nfe': 4 * 2 * (1 + 3)}
     st = {}
-    sample.SAMPLERS['nemotron'](model, x, prompt_mask=pm, gen_length=8, block_length=4, threshold=0.0, steps=1,
+    sample.SAMPLERS['nemotron'](model, x, prompt_mask=pm, gen_length=8, block_length=4, threshold=0.0, steps_per_block=1,
                                 early_stop=False, mask_id=MASK, eos_id=-1, stats=st)
     assert st['nfe'] == 2 * 2  # 3 masks committed at once: 4 tokens per 2 forwards
 
@@ -288,12 +288,12 @@ def test_ar_mode_equals_plain_ar_decoding():
                           use_cache=False)  # uncached causal forwards over the whole prefix
     assert ar == ref and any(len(set(r)) > 1 for r in ar), ar
     # block_length 1 is AR decoding too: every block is its AR-seeded first token
-    assert nemotron(model, PROMPTS, gen_length=7, block_length=1, steps=1) == ar
+    assert nemotron(model, PROMPTS, gen_length=7, block_length=1, steps_per_block=1) == ar
 
 
 def test_sampling_is_seeded():
     model = tiny_model(5)
-    kw = dict(gen_length=8, block_length=4, temperature=1.0, steps=3)
+    kw = dict(gen_length=8, block_length=4, temperature=1.0, steps_per_block=3)
     g = lambda s: torch.Generator().manual_seed(s)
     a, b, c = (nemotron(model, PROMPTS, generator=g(s), **kw) for s in (1, 1, 2))
     assert a == b and a != c

@@ -42,7 +42,7 @@ def ckpt(tmp_path_factory):
                          ('scdd', {'sampler': 'scdd', 'gen_length': 4, 'steps': 4, 'temperature': 0.0,
                                    'num_timesteps': 1000, 'uniform_ratio': 0.1, 'schedule_shape': 1.0,
                                    'schedule_peak': 0.5}),
-                         ('hybrid', {'sampler': 'nemotron', 'gen_length': 4, 'block_length': 2, 'steps': 2,
+                         ('hybrid', {'sampler': 'nemotron', 'gen_length': 4, 'block_length': 2, 'steps_per_block': 2,
                                      'threshold': 0.9}),
                          ('idlm', {'sampler': 'idlm', 'gen_length': 4, 'block_length': 2})]:
         tiny(tok.vocab_size, family not in ('ar', 'hybrid', 'idlm')).save_pretrained(d / family / 'hf')
@@ -52,7 +52,8 @@ def ckpt(tmp_path_factory):
                              intermediate_size=48, moe_intermediate_size=16, canvas_length=2).save_pretrained(
         d / 'gemma_bd' / 'hf')
     (d / 'gemma_bd' / 'hf' / 'meta.json').write_text(json.dumps(
-        {**tok.meta(), 'family': 'gemma_bd', 'sampler': 'gemma', 'gen_length': 4, 'block_length': 2, 'steps': 3}))
+        {**tok.meta(), 'family': 'gemma_bd', 'sampler': 'gemma', 'gen_length': 4, 'block_length': 2,
+         'steps_per_block': 3}))
     import dflash  # a dflash.py export: the draft in hf/, its meta.json naming the target (the ar export above)
     torch.manual_seed(0)
     dflash.build_draft(tiny(tok.vocab_size, False).config, n_layer=1, n_head=2, n_kv_head=2, n_embd=32,
@@ -378,16 +379,30 @@ def test_cli_gemma_options(ckpt, capsys):
     # adds steps/canvas; what does not apply is refused with one line
     code, out, err = run_main(capsys, '--checkpoint', ckpt / 'gemma_bd', '--prompt', '1+2')
     assert code == 0 and out.startswith('1+2 -> '), err
-    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'gemma_bd', '--eval', ckpt / 'val.jsonl', '--steps', 5,
-                              '--confidence_threshold', 0)
+    code, out, err = run_main(capsys, '--checkpoint', ckpt / 'gemma_bd', '--eval', ckpt / 'val.jsonl',
+                              '--steps_per_block', 5, '--confidence_threshold', 0)
     assert code == 0 and re.match(EVAL_LINE + r' \| steps/canvas 5\.00$', out.strip()), out
     for args, msg in [(('--threshold', 0.9), "--threshold does not apply to sampler 'gemma'"),
+                      (('--steps', 5), "--steps does not apply to sampler 'gemma' (it takes --steps_per_block)"),
                       (('--t_min', 0), 'need 0 < t_min <= t_max'),
                       (('--block_length', 3), 'gen_length=4 is not a multiple of block_length=3')]:
         code, out, err = run_main(capsys, '--checkpoint', ckpt / 'gemma_bd', '--prompt', '1+2', *args)
         assert one_line_error(code, err, msg), (args, err)
     code, out, err = run_main(capsys, '--checkpoint', ckpt / 'llada', '--sampler', 'gemma', '--prompt', '1+2')
     assert one_line_error(code, err, "sampler 'gemma' decodes gemma_bd checkpoints, not 'llada'"), err
+
+
+def test_meta_json_from_before_steps_per_block(ckpt, tmp_path):
+    # exports written before the rename name the per-block count 'steps': it still sets steps_per_block (3, not
+    # the preset 48), and a per-canvas count never leaks into a total-steps sampler
+    import shutil
+    old = tmp_path / 'old'
+    shutil.copytree(ckpt / 'gemma_bd' / 'hf', old)
+    meta = json.loads((old / 'meta.json').read_text())
+    meta['steps'] = meta.pop('steps_per_block')
+    (old / 'meta.json').write_text(json.dumps(meta))
+    _, _, m = sample.load_checkpoint(str(old))
+    assert sample.sampler_options('gemma', m, {})['steps_per_block'] == 3 and 'steps' not in m
 
 
 def test_cli_dflash(ckpt, capsys, tmp_path):

@@ -87,9 +87,9 @@ CONFIGS = [
     ('llada', dict(gen_length=12, block_length=4, steps=12, cache='prefix', early_stop=True)),
     ('llada', dict(gen_length=12, block_length=4, steps=12, threshold=0.4, cache='dual')),
     ('llada', dict(gen_length=8, block_length=4, steps=4, remasking='random', temperature=1.0)),
-    ('llada2', dict(gen_length=8, block_length=4, steps=4, threshold=0.4)),
-    ('llada2', dict(gen_length=8, block_length=4, steps=2, threshold=0.4, editing_threshold=0.5, max_post_steps=3)),
-    ('llada2', dict(gen_length=8, block_length=4, steps=4, threshold=0.4, editing_threshold=0.0, max_post_steps=4,
+    ('llada2', dict(gen_length=8, block_length=4, steps_per_block=4, threshold=0.4)),
+    ('llada2', dict(gen_length=8, block_length=4, steps_per_block=2, threshold=0.4, editing_threshold=0.5, max_post_steps=3)),
+    ('llada2', dict(gen_length=8, block_length=4, steps_per_block=4, threshold=0.4, editing_threshold=0.0, max_post_steps=4,
                     early_stop=False)),
 ]
 
@@ -123,7 +123,7 @@ def test_the_batch_configs_exercise_their_paths():
     first_eos = [(r.tolist() + [EOS]).index(EOS) for r in out[:, x.shape[1]:]]
     assert max(changed) > 4 and st['nfe'] < 12 and len(set(first_eos)) > 1, (changed, st, first_eos)
     changed = []
-    sample.sample_llada2(Wrap(tiny(), 30.0, 3.0, edit=True), x, prompt_mask=pm, gen_length=8, block_length=4, steps=2,
+    sample.sample_llada2(Wrap(tiny(), 30.0, 3.0, edit=True), x, prompt_mask=pm, gen_length=8, block_length=4, steps_per_block=2,
                          threshold=0.4, editing_threshold=0.5, max_post_steps=3, mask_id=MASK, eos_id=EOS,
                          callback=lambda x, c: changed.append(int(c.sum())))
     assert sum(changed) > 4 * 8, changed  # more changes than masks: edits happened
@@ -196,8 +196,8 @@ def test_early_stop_keeps_every_response():
 
 LEAVE = [('llada', dict(gen_length=12, block_length=4, steps=12, threshold=0.4, early_stop=True, cache=c))
          for c in ('none', 'prefix', 'dual')] + [
-    ('llada2', dict(gen_length=12, block_length=4, steps=4, threshold=0.4)),
-    ('llada2', dict(gen_length=12, block_length=4, steps=2, threshold=0.4, editing_threshold=0.5, max_post_steps=3))]
+    ('llada2', dict(gen_length=12, block_length=4, steps_per_block=4, threshold=0.4)),
+    ('llada2', dict(gen_length=12, block_length=4, steps_per_block=2, threshold=0.4, editing_threshold=0.5, max_post_steps=3))]
 
 
 @pytest.mark.parametrize('name,kw', LEAVE, ids=[f'{n}-{i}' for i, (n, _) in enumerate(LEAVE)])
@@ -310,19 +310,19 @@ def test_llada2_without_editing_equals_llada_threshold():
         s1, s2 = {}, {}
         a = sample.sample_llada(model, x, prompt_mask=pm, gen_length=8, block_length=8, steps=8, threshold=t,
                                 early_stop=True, mask_id=MASK, eos_id=EOS, stats=s1)
-        b = sample.sample_llada2(model, x, prompt_mask=pm, gen_length=8, block_length=8, steps=8, threshold=t,
+        b = sample.sample_llada2(model, x, prompt_mask=pm, gen_length=8, block_length=8, steps_per_block=8, threshold=t,
                                  early_stop=True, mask_id=MASK, eos_id=EOS, stats=s2)
         assert torch.equal(a, b) and s1['nfe'] == s2['nfe'], t
     s = {}  # and on hand-set confidences, step by step
     model = Fixed(TABLE)
-    sample.sample_llada2(model, torch.tensor([[1, 2]]), gen_length=6, block_length=6, steps=6, threshold=0.9,
+    sample.sample_llada2(model, torch.tensor([[1, 2]]), gen_length=6, block_length=6, steps_per_block=6, threshold=0.9,
                          mask_id=MASK, stats=s)
     assert committed_per_step(model.calls, 2) == [3, 1, 1] and s['nfe'] == 4
 
 
 def test_llada2_sees_only_the_window_up_to_its_block():
     model = Fixed(TABLE)
-    sample.sample_llada2(model, torch.tensor([[1, 2]]), gen_length=6, block_length=3, steps=3, threshold=0.9,
+    sample.sample_llada2(model, torch.tensor([[1, 2]]), gen_length=6, block_length=3, steps_per_block=3, threshold=0.9,
                          mask_id=MASK)
     assert [c.shape[1] for c in model.calls] == [5, 5, 8, 8, 8]  # block 1: 0.95 + 0.92, 0.5; block 2: 0.91, 0.3, 0.2
 
@@ -330,7 +330,7 @@ def test_llada2_sees_only_the_window_up_to_its_block():
 def test_llada2_editing():
     # editing model: every committed slot proposes token+1 with probability 0.9
     x = torch.tensor([[1, 2]])
-    kw = dict(gen_length=6, block_length=3, steps=3, threshold=0.9, mask_id=MASK, max_post_steps=4)
+    kw = dict(gen_length=6, block_length=3, steps_per_block=3, threshold=0.9, mask_id=MASK, max_post_steps=4)
     st = {}
     model = Fixed(TABLE, edit=0.9)
     out = sample.sample_llada2(model, x, editing_threshold=0.95, stats=st, **kw)  # 0.9 < 0.95: no edit

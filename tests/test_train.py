@@ -168,7 +168,7 @@ def test_round_trip_train_export_sample(trained):
         cfg['block_length'] = cfg['block_length'] or cfg['block_size'] or cfg['gen_length']
     if family == 'gemma_bd':  # the sampler's canvas is the training block
         cfg['block_length'] = cfg['canvas_length']
-    for k in ('gen_length', 'block_length', 'steps', 'uniform_ratio', 'num_timesteps', 'threshold'):  # as the run
+    for k in ('gen_length', 'block_length', 'steps', 'steps_per_block', 'uniform_ratio', 'num_timesteps', 'threshold'):  # as the run
         if k in meta:  # was evaluated
             assert opts[k] == meta[k] == cfg[k], k
     texts = ['12+34', '5+6', '123+456', '999+1']

@@ -45,8 +45,8 @@ import hf
 import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
-                      resolve_config, RunLog, eval_line, stop_if_not_finite, Saver, guarded_eval, corruption_seeds,
-                      answer_rows, exact_match, checkpoint_activations, lora_for_run)
+                      resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, exact_match,
+                      checkpoint_activations, lora_for_run, micro_steps, eval_rows)
 
 FAMILY = 'gemma_bd'  # the family's name, in ckpt.pt and meta.json: a resume checks it, sample.py picks the sampler
 MODULE = os.path.basename(__file__)[:-3]  # this file: meta.json records it, sample.py imports its math from it
@@ -365,10 +365,7 @@ if __name__ == '__main__':
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = init_distributed(device)
     master_process = ddp_rank == 0
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    if gradient_accumulation_steps % ddp_world_size:
-        fail(f'gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be divisible by '
-             f'the world size {ddp_world_size}', 2)
-    grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
+    grad_accum = micro_steps(gradient_accumulation_steps, ddp_world_size)  # on this rank (the key counts all ranks)
     global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
     dtype, autocast = precision(dtype, device_type)  # 'auto': bfloat16 autocast on CUDA, float32 on CPU
     torch.manual_seed(seed)  # model init only: the data order (and any corruption) use their own generators
@@ -477,12 +474,8 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # eval
-    n_acc = 0 if text else min(eval_samples, len(val_ds))  # raw text has no prompts to answer
-    if text and eval_samples > 0:
-        print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
-    if eval_iters == 0:
-        print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
+    acc_rows = eval_rows(val_ds, tokenizer, eval_samples=eval_samples, gen_length=gen_length, text=text,
+                         eval_iters=eval_iters, data_dir=data_dir)  # [(prompt ids, reference answer)]
 
     sampler_opts = dict(gen_length=gen_length, block_length=canvas_length, steps_per_block=steps_per_block, t_max=t_max, t_min=t_min,
                         entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
@@ -520,7 +513,7 @@ if __name__ == '__main__':
         if eval_iters > 0:  # no batch, no loss
             diff, enc = (tot[0] / tot[2].clamp_min(1)).item(), (tot[1] / tot[3].clamp_min(1)).item()
             out.update(val_loss=diff + encoder_loss_weight * enc, val_diff=diff, val_enc=enc)
-        if n_acc > 0:
+        if acc_rows:
             out['accuracy'] = accuracy()
         net.train()
         return out
@@ -531,7 +524,8 @@ if __name__ == '__main__':
     resumed = resolve_config(config, saved, start_step, device=device, dtype=dtype, lr_decay_iters=lr_decay_iters,
                              data_dir=data_dir, attn_implementation=attn_implementation, world_size=ddp_world_size)
     log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
-    saver = Saver(ckpt_interval, ckpt_interval_min, device)  # periodic saves, and SIGINT/SIGTERM: save, then exit
+    saver = Saver(ckpt_interval, ckpt_interval_min, device, eval_interval=eval_interval, max_iters=max_iters,
+                  evaluate=evaluate, save=save_checkpoint, log=log, ckpt_path=ckpt_path)
     metrics, step, t0 = {}, start_step, time.time()
     net.train()  # from_pretrained loads in eval mode; activation checkpointing acts in train mode only
     while step < max_iters:
@@ -586,20 +580,10 @@ if __name__ == '__main__':
                     f"enc_acc {metrics['enc_acc']:.3f} | sup {int(n_diff)} | tok/s {n_tok / dt:,.0f} | "
                     f"dt {dt*1000:.0f}ms")
             log(line, metrics, step)
-        # a checkpoint at each eval, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM
-        is_eval = (eval_interval > 0 and step % eval_interval == 0) or step == max_iters
-        due, stopping = saver.due(step)  # the same verdict on every rank (a save is a collective under FSDP)
-        if is_eval:  # an exception in the eval saves the steps trained first, then stops with one line
-            ev = guarded_eval(evaluate, step, lambda: save_checkpoint(step, metrics), ckpt_path)
-            metrics.update(ev)
-            log(eval_line(step, ev), ev, step)
-        if is_eval or due or stopping:
-            save_checkpoint(step, metrics)
-            saver.saved()
-            t0 = time.time()
-        if stopping and step < max_iters:
-            print0(f'stopped by a signal after step {step}, saved in {ckpt_path}: --init_from=resume continues')
-            finish(saver.exit_code())
+        # the eval at each eval_interval and the end; a checkpoint then, every ckpt_interval steps or minutes, and on
+        # SIGINT/SIGTERM (saved, then the run exits)
+        if saver.end_of_step(step, metrics):
+            t0 = time.time()  # eval and save time is not the next step's
     if 'accuracy' in metrics:
         print0(f"held-out exact-match accuracy on {os.path.basename(data_dir)}: {100 * metrics['accuracy']:.1f}%")
     finish(0)

@@ -38,9 +38,9 @@ import hf
 import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered,
-                      adamw, full_state, resolve_config, RunLog, eval_line, stop_if_not_finite, Saver, guarded_eval,
-                      corruption_seeds, fill_length, answer_rows, exact_match, causal_lm_error, checkpoint_activations,
-                      lora_for_run)
+                      adamw, full_state, resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds,
+                      fill_length, exact_match, causal_lm_error, checkpoint_activations, lora_for_run, micro_steps,
+                      eval_rows)
 from data.loader import collate
 
 FAMILY = 'hybrid'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -314,10 +314,7 @@ if __name__ == '__main__':
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = init_distributed(device)
     master_process = ddp_rank == 0
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    if gradient_accumulation_steps % ddp_world_size:
-        fail(f'gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be divisible by '
-             f'the world size {ddp_world_size}', 2)
-    grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
+    grad_accum = micro_steps(gradient_accumulation_steps, ddp_world_size)  # on this rank (the key counts all ranks)
     global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
     dtype, autocast = precision(dtype, device_type)  # 'auto': bfloat16 autocast on CUDA, float32 on CPU
     torch.manual_seed(seed)  # model init only: the data order (and any corruption) use their own generators
@@ -391,12 +388,8 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # eval
-    n_acc = 0 if text else min(eval_samples, len(val_ds))  # raw text has no prompts to answer
-    if text and eval_samples > 0:
-        print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
-    if eval_iters == 0:
-        print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
+    acc_rows = eval_rows(val_ds, tokenizer, eval_samples=eval_samples, gen_length=gen_length, text=text,
+                         eval_iters=eval_iters, data_dir=data_dir)  # [(prompt ids, reference answer)]
 
     eval_block = block_length or block_size or gen_length  # the nemotron sampler's block length
     sampler_opts = {'diffusion': dict(gen_length=gen_length, block_length=eval_block, steps_per_block=steps_per_block, threshold=threshold,
@@ -433,7 +426,7 @@ if __name__ == '__main__':
         if eval_iters > 0:  # no batch, no loss
             diff, ar = (tot[0] / tot[2].clamp_min(1)).item(), (tot[1] / tot[3].clamp_min(1)).item()
             out.update(val_loss=ar_loss_alpha * diff + ar, val_diff=diff, val_ar=ar)
-        if n_acc > 0:
+        if acc_rows:
             out['accuracy'] = accuracy('diffusion')
             out['accuracy_ar'] = accuracy('ar')
         net.train()
@@ -446,7 +439,8 @@ if __name__ == '__main__':
                              lr_decay_iters=lr_decay_iters, data_dir=data_dir, attn_implementation=attn_implementation,
                              world_size=ddp_world_size)
     log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
-    saver = Saver(ckpt_interval, ckpt_interval_min, device)  # periodic saves, and SIGINT/SIGTERM: save, then exit
+    saver = Saver(ckpt_interval, ckpt_interval_min, device, eval_interval=eval_interval, max_iters=max_iters,
+                  evaluate=evaluate, save=save_checkpoint, log=log, ckpt_path=ckpt_path)
     metrics, step, t0 = {}, start_step, time.time()
     net.train()  # from_pretrained loads in eval mode; activation checkpointing acts in train mode only
     while step < max_iters:
@@ -499,20 +493,10 @@ if __name__ == '__main__':
                     f"diff_loss {d_sum:.4f} | ar_loss {a_sum:.4f} | diff_acc {metrics['diff_acc']:.3f} | "
                     f"ar_acc {metrics['ar_acc']:.3f} | sup {int(n_sup)} | tok/s {n_tok / dt:,.0f} | dt {dt*1000:.0f}ms")
             log(line, metrics, step)
-        # a checkpoint at each eval, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM
-        is_eval = (eval_interval > 0 and step % eval_interval == 0) or step == max_iters
-        due, stopping = saver.due(step)  # the same verdict on every rank (a save is a collective under FSDP)
-        if is_eval:  # an exception in the eval saves the steps trained first, then stops with one line
-            ev = guarded_eval(evaluate, step, lambda: save_checkpoint(step, metrics), ckpt_path)
-            metrics.update(ev)
-            log(eval_line(step, ev), ev, step)
-        if is_eval or due or stopping:
-            save_checkpoint(step, metrics)
-            saver.saved()
-            t0 = time.time()
-        if stopping and step < max_iters:
-            print0(f'stopped by a signal after step {step}, saved in {ckpt_path}: --init_from=resume continues')
-            finish(saver.exit_code())
+        # the eval at each eval_interval and the end; a checkpoint then, every ckpt_interval steps or minutes, and on
+        # SIGINT/SIGTERM (saved, then the run exits)
+        if saver.end_of_step(step, metrics):
+            t0 = time.time()  # eval and save time is not the next step's
     if 'accuracy' in metrics:
         print0(f"AR mode (the same checkpoint): held-out exact-match accuracy on {os.path.basename(data_dir)}: "
                f"{100 * metrics['accuracy_ar']:.1f}%")

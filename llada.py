@@ -28,10 +28,10 @@ import torch.nn as nn
 
 import hf
 import kernels
-from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
-                      save_run, open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered,
-                      adamw, full_state, resolve_config, RunLog, eval_line, stop_if_not_finite, Saver, guarded_eval,
-                      corruption_seeds, fill_length, answer_rows, exact_match, checkpoint_activations, lora_for_run)
+from skeleton import (init_distributed, precision, print0, all_sum, finish, get_lr, settings_error, die_at, save_run,
+                      open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered, adamw,
+                      full_state, resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, fill_length,
+                      exact_match, checkpoint_activations, lora_for_run, micro_steps, eval_rows)
 from data.loader import collate, pack as pack_rows
 
 FAMILY = 'llada'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -236,10 +236,7 @@ if __name__ == '__main__':
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = init_distributed(device)
     master_process = ddp_rank == 0
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    if gradient_accumulation_steps % ddp_world_size:
-        fail(f'gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be divisible by '
-             f'the world size {ddp_world_size}', 2)
-    grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
+    grad_accum = micro_steps(gradient_accumulation_steps, ddp_world_size)  # on this rank (the key counts all ranks)
     global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
     dtype, autocast = precision(dtype, device_type)  # 'auto': bfloat16 autocast on CUDA, float32 on CPU
     torch.manual_seed(seed)  # model init only: the data order (and any corruption) use their own generators
@@ -302,12 +299,8 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # eval
-    n_acc = 0 if text else min(eval_samples, len(val_ds))  # raw text has no prompts to answer
-    if text and eval_samples > 0:
-        print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
-    if eval_iters == 0:
-        print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
+    acc_rows = eval_rows(val_ds, tokenizer, eval_samples=eval_samples, gen_length=gen_length, text=text,
+                         eval_iters=eval_iters, data_dir=data_dir)  # [(prompt ids, reference answer)]
 
     @torch.no_grad()
     def accuracy():
@@ -336,7 +329,7 @@ if __name__ == '__main__':
             tot += torch.stack([ce.float(), mb['loss_mask'].sum().to(device)])
         all_sum(tot)
         out = {'val_loss': (tot[0] / tot[1].clamp_min(1)).item()} if eval_iters > 0 else {}  # no batch, no loss
-        if n_acc > 0:
+        if acc_rows:
             out['accuracy'] = accuracy()
         net.train()
         return out
@@ -348,7 +341,8 @@ if __name__ == '__main__':
                              lr_decay_iters=lr_decay_iters, data_dir=data_dir, attn_implementation=attn_implementation,
                              world_size=ddp_world_size)
     log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
-    saver = Saver(ckpt_interval, ckpt_interval_min, device)  # periodic saves, and SIGINT/SIGTERM: save, then exit
+    saver = Saver(ckpt_interval, ckpt_interval_min, device, eval_interval=eval_interval, max_iters=max_iters,
+                  evaluate=evaluate, save=save_checkpoint, log=log, ckpt_path=ckpt_path)
     metrics, step, t0 = {}, start_step, time.time()
     net.train()  # from_pretrained loads in eval mode; activation checkpointing acts in train mode only
     while step < max_iters:
@@ -398,20 +392,10 @@ if __name__ == '__main__':
             log(f"step {step} | loss {step_loss:.6f} | grad_norm {metrics['grad_norm']:.4f} | lr {lr:.3e} | "
                 f"token_acc {metrics['token_acc']:.3f} | sup {int(n_sup)} | tok/s {n_tok / dt:,.0f} | "
                 f"dt {dt*1000:.0f}ms", metrics, step)
-        # a checkpoint at each eval, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM
-        is_eval = (eval_interval > 0 and step % eval_interval == 0) or step == max_iters
-        due, stopping = saver.due(step)  # the same verdict on every rank (a save is a collective under FSDP)
-        if is_eval:  # an exception in the eval saves the steps trained first, then stops with one line
-            ev = guarded_eval(evaluate, step, lambda: save_checkpoint(step, metrics), ckpt_path)
-            metrics.update(ev)
-            log(eval_line(step, ev), ev, step)
-        if is_eval or due or stopping:
-            save_checkpoint(step, metrics)
-            saver.saved()
-            t0 = time.time()
-        if stopping and step < max_iters:
-            print0(f'stopped by a signal after step {step}, saved in {ckpt_path}: --init_from=resume continues')
-            finish(saver.exit_code())
+        # the eval at each eval_interval and the end; a checkpoint then, every ckpt_interval steps or minutes, and on
+        # SIGINT/SIGTERM (saved, then the run exits)
+        if saver.end_of_step(step, metrics):
+            t0 = time.time()  # eval and save time is not the next step's
     if 'accuracy' in metrics:
         print0(f"held-out exact-match accuracy on {os.path.basename(data_dir)}: {100 * metrics['accuracy']:.1f}%")
     finish(0)

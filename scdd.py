@@ -36,10 +36,10 @@ import torch.nn.functional as F
 
 import hf
 import kernels
-from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
-                      save_run, open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered,
-                      adamw, full_state, resolve_config, RunLog, eval_line, stop_if_not_finite, Saver, guarded_eval,
-                      corruption_seeds, fill_length, answer_rows, exact_match, checkpoint_activations, lora_for_run)
+from skeleton import (init_distributed, precision, print0, all_sum, finish, get_lr, settings_error, die_at, save_run,
+                      open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered, adamw,
+                      full_state, resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, fill_length,
+                      exact_match, checkpoint_activations, lora_for_run, micro_steps, eval_rows)
 from data.loader import collate, pack as pack_rows
 
 FAMILY = 'scdd'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -302,12 +302,9 @@ def family_settings_error(c):
     problem = schedule_error(c['uniform_ratio'], c['schedule_shape'], c['schedule_peak'])
     if problem:
         return problem
-    if c['num_timesteps'] < 2:
-        return f"num_timesteps={c['num_timesteps']} must be >= 2 (SCDD is trained in discrete time)"
-    if not 1 <= c['steps'] <= c['num_timesteps']:
-        return f"steps={c['steps']} must be in [1, num_timesteps={c['num_timesteps']}] (the sampler's grid is the training grid)"
-    if not 0 <= c['eps'] < 1:
-        return f"eps={c['eps']} must be in [0, 1)"
+    if c['num_timesteps'] < 2 or not 1 <= c['steps'] <= c['num_timesteps'] or not 0 <= c['eps'] < 1:
+        return (f"num_timesteps={c['num_timesteps']} must be >= 2 (SCDD trains in discrete time), steps={c['steps']} "
+                f"in [1, num_timesteps] (the sampler's grid is the training grid) and eps={c['eps']} in [0, 1)")
     if c['cleanup'] not in ('all', 'mask') or c['temperature'] < 0 or not 0 < c['top_p'] <= 1:
         return (f"cleanup={c['cleanup']!r} must be 'all' or 'mask', temperature={c['temperature']} >= 0 and "
                 f"top_p={c['top_p']} in (0, 1]")
@@ -343,8 +340,7 @@ if __name__ == '__main__':
     pad_block_size = 1  # >1: EOS-fill each row to a multiple of this (supervised, unattended)
     pad_seq_len_divisible = 1  # pad T up to a multiple of this (static shapes for compile / flex)
     supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
-    eos_fill = 0  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length);
-    #              off here (llada.py's default is 32): the SCDD results in docs/scdd.md were measured without it
+    eos_fill = 0  # >0: EOS-fill a step's rows to a canvas drawn up to this (fill_length); off: docs/scdd.md's results
     pack = False  # pack several examples per row of max_seq_len (per-document attention) instead of padding
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
@@ -380,8 +376,7 @@ if __name__ == '__main__':
     temperature = 0.0  # x_θ = softmax(logits / temperature) in the posterior (0: the one-hot argmax)
     top_p = 1.0  # nucleus cut of x_θ before the posterior (1 = off; the paper's eval uses 0.9 at temperature 1)
     cleanup = 'mask'  # 'mask': the last ancestral sample is the answer (s = 0 leaves no [MASK]); 'all': the official
-    #                  final argmax over every position (+1 forward), which replaces good visible tokens here
-    #                  (docs/scdd.md)
+    #                  argmax over every position (+1 forward) replaces good visible tokens here (docs/scdd.md)
     # system
     device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' ...
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
@@ -410,10 +405,7 @@ if __name__ == '__main__':
     ddp, ddp_rank, ddp_local_rank, ddp_world_size, device = init_distributed(device)
     master_process = ddp_rank == 0
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    if gradient_accumulation_steps % ddp_world_size:
-        fail(f'gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be divisible by '
-             f'the world size {ddp_world_size}', 2)
-    grad_accum = gradient_accumulation_steps // ddp_world_size  # micro-steps on this rank
+    grad_accum = micro_steps(gradient_accumulation_steps, ddp_world_size)  # on this rank (the key counts all ranks)
     global_batch = batch_size * grad_accum * ddp_world_size  # examples per optimizer step
     dtype, autocast = precision(dtype, device_type)  # 'auto': bfloat16 autocast on CUDA, float32 on CPU
     torch.manual_seed(seed)  # model init only: the data order (and any corruption) use their own generators
@@ -478,26 +470,20 @@ if __name__ == '__main__':
 
     def save_checkpoint(step, metrics):
         msd, osd = full_state(net, optimizer, prefix='model.')  # every rank calls it; keys of the bare HF model
-        if not master_process:
-            return
-        # ckpt.pt, then the HF export hf/ (plain transformers loads it; sample.py --checkpoint out_dir uses it)
-        save_run(out_dir, {'model': msd, 'optimizer': osd, 'step': step, 'family': FAMILY,
-                           'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
-                           'mask_id': mask_id, 'torch_rng': torch.get_rng_state()},
-                 raw_model, msd, {**meta, 'mask_id': mask_id, 'family': FAMILY, 'module': MODULE, 'sampler': 'scdd',
-                                  'gen_length': gen_length, 'steps': steps, 'temperature': temperature,
-                                  'top_p': top_p, 'cleanup': cleanup,
-                                  'num_timesteps': num_timesteps, **sched_at(step - 1)},  # the last step's
-                 tokenizer)
+        if master_process:  # ckpt.pt, then the HF export hf/ (plain transformers loads it; sample.py uses it)
+            save_run(out_dir, {'model': msd, 'optimizer': osd, 'step': step, 'family': FAMILY,
+                               'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
+                               'mask_id': mask_id, 'torch_rng': torch.get_rng_state()},
+                     raw_model, msd, {**meta, 'mask_id': mask_id, 'family': FAMILY, 'module': MODULE,
+                                      'sampler': 'scdd', 'gen_length': gen_length, 'steps': steps,
+                                      'temperature': temperature, 'top_p': top_p, 'cleanup': cleanup,
+                                      'num_timesteps': num_timesteps, **sched_at(step - 1)},  # the last step's
+                     tokenizer)
 
     # -------------------------------------------------------------------------
     # eval
-    n_acc = 0 if text else min(eval_samples, len(val_ds))  # raw text has no prompts to answer
-    if text and eval_samples > 0:
-        print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
-    if eval_iters == 0:
-        print0('note: eval_iters=0: evals compute no val_loss')
-    acc_rows = answer_rows(val_ds, n_acc, tokenizer, gen_length)  # (prompt ids, reference answer) of the first n_acc
+    acc_rows = eval_rows(val_ds, tokenizer, eval_samples=eval_samples, gen_length=gen_length, text=text,
+                         eval_iters=eval_iters, data_dir=data_dir)  # [(prompt ids, reference answer)]
 
     @torch.no_grad()
     def accuracy(sched):
@@ -539,7 +525,7 @@ if __name__ == '__main__':
         all_sum(tot)
         out = {'val_loss': (tot[0] / tot[2].clamp_min(1)).item(),
                'val_nelbo': (tot[1] / tot[2].clamp_min(1)).item()} if eval_iters > 0 else {}  # no batch, no loss
-        if n_acc > 0:
+        if acc_rows:
             out['accuracy'] = accuracy(sched)
         net.train()
         return out
@@ -551,7 +537,8 @@ if __name__ == '__main__':
                              lr_decay_iters=lr_decay_iters, data_dir=data_dir, attn_implementation=attn_implementation,
                              world_size=ddp_world_size)
     log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
-    saver = Saver(ckpt_interval, ckpt_interval_min, device)  # periodic saves, and SIGINT/SIGTERM: save, then exit
+    saver = Saver(ckpt_interval, ckpt_interval_min, device, eval_interval=eval_interval, max_iters=max_iters,
+                  evaluate=evaluate, save=save_checkpoint, log=log, ckpt_path=ckpt_path)
     metrics, step, t0 = {}, start_step, time.time()
     net.train()  # from_pretrained loads in eval mode; activation checkpointing acts in train mode only
     while step < max_iters:
@@ -604,20 +591,10 @@ if __name__ == '__main__':
                     f"token_acc {metrics['token_acc']:.3f} | sup {int(n_sup)} | tok/s {n_tok / dt:,.0f} | "
                     f"dt {dt*1000:.0f}ms")
             log(line, metrics, step)
-        # a checkpoint at each eval, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM
-        is_eval = (eval_interval > 0 and step % eval_interval == 0) or step == max_iters
-        due, stopping = saver.due(step)  # the same verdict on every rank (a save is a collective under FSDP)
-        if is_eval:  # an exception in the eval saves the steps trained first, then stops with one line
-            ev = guarded_eval(evaluate, step, lambda: save_checkpoint(step, metrics), ckpt_path)
-            metrics.update(ev)
-            log(eval_line(step, ev), ev, step)
-        if is_eval or due or stopping:
-            save_checkpoint(step, metrics)
-            saver.saved()
-            t0 = time.time()
-        if stopping and step < max_iters:
-            print0(f'stopped by a signal after step {step}, saved in {ckpt_path}: --init_from=resume continues')
-            finish(saver.exit_code())
+        # the eval at each eval_interval and the end; a checkpoint then, every ckpt_interval steps or minutes, and on
+        # SIGINT/SIGTERM (saved, then the run exits)
+        if saver.end_of_step(step, metrics):
+            t0 = time.time()  # eval and save time is not the next step's
     if 'accuracy' in metrics:
         print0(f"held-out exact-match accuracy on {os.path.basename(data_dir)}: {100 * metrics['accuracy']:.1f}%")
     finish(0)

@@ -3,13 +3,13 @@ skeleton.py: the run machinery every family script imports unchanged, so a famil
 as its method and its training loop, not plumbing; nanochat's scripts import common.py and checkpoint_manager.py
 the same way. The functions read no config globals: a script passes what it uses.
 
-    distributed    init_distributed, precision, print0, all_sum, from_rank0, finish, fail
+    distributed    init_distributed, micro_steps, precision, print0, all_sum, from_rank0, finish, fail
     settings       MODEL_KEYS, settings_error, resume_error, get_lr, git_commit
     checkpoints    lock_out_dir, save_run, load_run, die_at, StopSignal
     a run's life   open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered, adamw,
                    full_state, resolve_config, RunLog, eval_line, stop_if_not_finite, Saver, guarded_eval
     randomness     corruption_seeds, fill_length, check_mask_id
-    the eval       answer_rows, exact_match, causal_lm_error
+    the eval       eval_rows, answer_rows, exact_match, causal_lm_error
 
 What a family changes (its model, corruption, loss, batch, eval and the training loop itself: micro-steps, the DDP
 sync toggle, the global denominator, backward, clip, step) stays written out in its script.
@@ -45,6 +45,15 @@ def init_distributed(device):
         torch.cuda.set_device(device)
     dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
     return True, rank, local_rank, world_size, device
+
+
+def micro_steps(gradient_accumulation_steps, world_size):
+    """Micro-steps per optimizer step on this rank: gradient_accumulation_steps counts them over all ranks, so it
+    must divide by the world size (else one line, exit 2)."""
+    if gradient_accumulation_steps % world_size:
+        fail(f'gradient_accumulation_steps={gradient_accumulation_steps} (the total over ranks) must be divisible by '
+             f'the world size {world_size}', 2)
+    return gradient_accumulation_steps // world_size
 
 
 def precision(dtype, device_type):
@@ -583,10 +592,32 @@ class Saver:
     save, and on SIGINT/SIGTERM (StopSignal). Every rank must take part in a save (a collective under FSDP), so
     rank 0's clock and any rank's signal decide, summed over ranks."""
 
-    def __init__(self, ckpt_interval, ckpt_interval_min, device):
+    def __init__(self, ckpt_interval, ckpt_interval_min, device, *, eval_interval, max_iters, evaluate, save, log,
+                 ckpt_path):
         self.interval, self.minutes, self.device = ckpt_interval, ckpt_interval_min, device
+        self.eval_interval, self.max_iters, self.ckpt_path = eval_interval, max_iters, ckpt_path
+        self.evaluate, self.save, self.log = evaluate, save, log  # evaluate(step) -> dict; save(step, metrics)
         self.stop = StopSignal()
         self.last = time.time()
+
+    def end_of_step(self, step, metrics):
+        """After optimizer step `step`: the eval at every eval_interval and at max_iters (its numbers logged and
+        added to metrics; an exception in it saves the steps trained first, then stops with one line), a checkpoint
+        then, every ckpt_interval steps or ckpt_interval_min minutes, and on SIGINT/SIGTERM (save, then exit
+        128 + the signal). True when it evaluated or saved (time the step clock should not count)."""
+        is_eval = (self.eval_interval > 0 and step % self.eval_interval == 0) or step == self.max_iters
+        due, stopping = self.due(step)  # the same verdict on every rank (a save is a collective under FSDP)
+        if is_eval:
+            ev = guarded_eval(self.evaluate, step, lambda: self.save(step, metrics), self.ckpt_path)
+            metrics.update(ev)
+            self.log(eval_line(step, ev), ev, step)
+        if is_eval or due or stopping:
+            self.save(step, metrics)
+            self.last = time.time()
+        if stopping and step < self.max_iters:
+            print0(f'stopped by a signal after step {step}, saved in {self.ckpt_path}: --init_from=resume continues')
+            finish(self.exit_code())
+        return is_eval or due or stopping
 
     def due(self, step):
         """(a periodic save is due, a signal asks to stop): the same verdict on every rank."""
@@ -594,9 +625,6 @@ class Saver:
             (_rank() == 0 and self.minutes > 0 and time.time() - self.last >= 60 * self.minutes)
         due, stopping = all_sum(torch.tensor([float(due), float(self.stop.signum > 0)], device=self.device)).tolist()
         return bool(due), bool(stopping)
-
-    def saved(self):
-        self.last = time.time()
 
     def exit_code(self):
         return 128 + (self.stop.signum or signal.SIGTERM)
@@ -648,6 +676,16 @@ def check_mask_id(mask_id, vocab_size, pad_id=-1, eos_id=-1):
 
 # -----------------------------------------------------------------------------
 # the exact-match eval every family reports (its own sampler decodes)
+
+def eval_rows(val_ds, tokenizer, *, eval_samples, gen_length, text, eval_iters, data_dir):
+    """The val prompts the eval decodes (answer_rows of the first eval_samples; none for raw text, which has no
+    prompts), with a note line for an eval that will report no accuracy or no val_loss."""
+    if text and eval_samples > 0:
+        print0(f'note: {data_dir} is raw text (no prompts): eval reports val_loss only, not accuracy')
+    if eval_iters == 0:
+        print0('note: eval_iters=0: evals compute no val_loss')
+    return answer_rows(val_ds, 0 if text else min(eval_samples, len(val_ds)), tokenizer, gen_length)
+
 
 def answer_rows(val_ds, n, tokenizer, gen_length=0):
     """[(prompt ids incl. the assistant header, reference answer text)] of the first n val examples (single-turn: the

@@ -152,6 +152,7 @@ if __name__ == '__main__':
     # system
     device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' ...
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
+    attn_implementation = 'auto'  # 'auto' (flex_attention on CUDA, else sdpa) | 'sdpa' | 'eager' | 'flex_attention'
     compile = False  # torch.compile the decoder and the chunked CE (worth it on GPU; ~20 s cold start on CPU)
     fsdp = False  # shard with FSDP2 (fully_shard) instead of DDP when launched with torchrun
     activation_checkpointing = False  # recompute each block in backward: less memory for ~1/3 more compute
@@ -201,7 +202,7 @@ if __name__ == '__main__':
     # model
     ckpt_path, hf_dir, lock = claim_out_dir(out_dir, init_from, overwrite)  # one run per out_dir; keep lock open
     start_step, checkpoint, saved = 0, None, None
-    attn_implementation = hf.default_attn_implementation(device)  # flex_attention on CUDA, sdpa on CPU
+    attn_implementation = hf.default_attn_implementation(device, attn_implementation)  # 'auto': flex on CUDA
     if init_from == 'resume':
         checkpoint, saved = load_resume(ckpt_path, FAMILY, config, given)
         start_step = checkpoint['step']

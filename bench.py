@@ -948,7 +948,8 @@ def idlm_need_mib(variant, args):
 # there (it has no CPU backward). Each check runs in its own subprocess: its own peak memory, compile caches and
 # process group. A check passes when it returns ok; a check that raises is a FAIL row with the exception.
 
-GPU_CHECKS = ['flex', 'bf16', 'compile', 'fsdp', 'fsdp_checkpointed', 'mfu']
+GPU_CHECKS = ['flex', 'bf16', 'compile', 'fsdp', 'fsdp_checkpointed', 'mfu'] + \
+    [f'train_{f}' for f in ('llada', 'scdd', 'hybrid', 'gemma_bd', 'ar', 'idlm', 'dflash')]
 # max |a - b| / max |b|: fp32 kernels that only sum in another order; bf16 (8-bit mantissa) vs fp32
 GPU_TOL = {'fp32': 1e-3, 'bf16': 2e-2}
 
@@ -1212,7 +1213,74 @@ def gpu_mfu(args):
                                   f"loss {loss.item():.3f}, compile {compile_s:.0f} s"}
 
 
+# one training check per family: the family script itself, 3 optimizer steps of a tiny model (2 micro-steps each),
+# run once as the reference (SDPA with the dense mask of its mask_mod, fp32, eager, no checkpointing) and once per
+# CUDA path: flex_attention (its BlockMask), bf16 autocast, torch.compile, activation checkpointing. The logged
+# loss and grad norm of every step must match the reference: step 1 checks forward and backward, steps 2-3 the
+# AdamW updates too. On CPU (--toy) flex and compile are skipped (no flex backward; a cold inductor build per family
+# takes minutes) and 'eager' (transformers' eager attention on the same dense mask) stands in.
+FAMILY_RUN = ['--n_layer=2', '--n_head=4', '--n_kv_head=2', '--n_embd=64', '--intermediate_size=128',
+              '--batch_size=16', '--gradient_accumulation_steps=2', '--max_iters=3', '--learning_rate=1e-3',
+              '--warmup_iters=1', '--log_interval=1', '--eval_interval=0', '--eval_iters=1', '--eval_samples=0',
+              '--seed=1337', '--max_seq_len=64']
+FAMILY_ARGS = {'llada': [], 'scdd': ['--uniform_warmup=0'], 'hybrid': [], 'gemma_bd': [], 'ar': [],
+               'idlm': ['--init_from=scratch', '--block_length=2'],
+               'dflash': ['--target_layer_ids=0,1', '--block_size=4', '--num_blocks_per_sample=4']}
+# variant -> (its arguments on top of the reference's, its tolerance, runs on CPU too)
+FAMILY_VARIANTS = {'flex': (['--attn_implementation=flex_attention'], 'fp32', False),
+                   'eager': (['--attn_implementation=eager'], 'fp32', True),
+                   'bf16': (['--dtype=bfloat16'], 'bf16', True),
+                   'compile': (['--compile=True'], 'fp32', False),
+                   'checkpointed': (['--activation_checkpointing=True'], 'fp32', True)}
+FAMILY_TOL = {'fp32': 2e-3, 'bf16': 5e-2}  # the logged numbers after 3 AdamW steps (TF32 matmuls on CUDA)
+
+
+def _family_log(script, args, out_dir):
+    """Run a family script -> [(loss, grad_norm)] of its logged steps; a failed run raises with its last line."""
+    import re
+    env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')}
+    r = subprocess.run([sys.executable, script, *args, f'--out_dir={out_dir}'], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(__file__)), env={**env, 'PYTHONWARNINGS': 'ignore'},
+                       timeout=1200)
+    if r.returncode:
+        raise RuntimeError(f"{script} {' '.join(args[-2:])}: " + (r.stderr.strip().splitlines() or ['?'])[-1])
+    return [(float(m[1]), float(m[2])) for m in re.finditer(r'^step \d+ \| loss (\S+) \| grad_norm (\S+)',
+                                                             r.stdout, re.M)]
+
+
+def gpu_family(args, family):
+    """The family script's 3 logged steps on every CUDA path vs its SDPA/fp32/eager reference (see FAMILY_RUN)."""
+    import tempfile
+    from data.prepare import ensure_synthetic
+    device, toy, _, _, _ = gpu_setup(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = ensure_synthetic('add', os.path.join(tmp, 'add'), max_seq_len=64, seed=0, n_train=2000, n_val=64)
+        base = FAMILY_RUN + FAMILY_ARGS[family] + [f'--data_dir={data}', f'--device={device}']
+        if family == 'dflash':  # its frozen target: a tiny ar.py run, 3 steps
+            _family_log('ar.py', FAMILY_RUN + [f'--data_dir={data}', f'--device={device}'], os.path.join(tmp, 'ar'))
+            base += [f"--target={os.path.join(tmp, 'ar')}"]
+        ref = _family_log(f'{family}.py', base + ['--attn_implementation=sdpa', '--dtype=float32'],
+                          os.path.join(tmp, 'ref'))
+        if len(ref) != 3:
+            return {'ok': False, 'info': f'the reference run logged {len(ref)} steps, not 3'}
+        ok, rows = True, []
+        for v, (extra, tol_key, on_cpu) in FAMILY_VARIANTS.items():
+            if device == 'cpu' and not on_cpu:
+                continue
+            fp32 = [] if tol_key == 'bf16' else ['--dtype=float32']
+            got = _family_log(f'{family}.py', base + fp32 + extra, os.path.join(tmp, v))
+            err = max((_rel_err(a, b) for g, r in zip(got, ref) for a, b in zip(g, r)), default=float('inf'))
+            good = len(got) == len(ref) and err <= FAMILY_TOL[tol_key]
+            ok &= good
+            rows.append(f"{v} {'ok' if good else 'FAIL'} ({err:.1e})")
+    return {'ok': ok, 'info': f"3 steps vs sdpa/fp32/eager (loss {ref[0][0]:.4f}, grad norm {ref[0][1]:.4f} at step 1), "
+                              f"max rel err of the logged loss and grad norm: {', '.join(rows)}; tol fp32 "
+                              f"{FAMILY_TOL['fp32']:.0e}, bf16 {FAMILY_TOL['bf16']:.0e}"}
+
+
 def gpu_child(check, args):
+    if check.startswith('train_'):
+        return gpu_family(args, check[len('train_'):])
     return {'flex': gpu_flex, 'bf16': gpu_bf16, 'compile': gpu_compile, 'fsdp': gpu_fsdp,
             'fsdp_checkpointed': lambda a: gpu_fsdp(a, checkpointed=True), 'mfu': gpu_mfu}[check](args)
 

@@ -204,9 +204,10 @@ class DFlash(nn.Module):
     target is replicated on every rank, not sharded: a limitation, docs/limitations.md); it runs once per sequence
     under no_grad and lends its embeddings and LM head."""
 
-    def __init__(self, draft, target, *, weights, compiled_ce=False):
+    def __init__(self, draft, target, *, weights, compiled_ce=False, flex=None):
         super().__init__()
         self.draft = draft
+        self.flex = flex  # the draft's masks: BlockMask (True), dense + SDPA (False), None: flex exactly on CUDA
         self.__dict__['target'] = target  # plain attribute: not a submodule
         self.softcap = float(getattr(target.config.get_text_config(), 'final_logit_softcapping', None) or 0.0)
         self.compiled_ce = compiled_ce
@@ -225,7 +226,9 @@ class DFlash(nn.Module):
         emb = self.target.get_input_embeddings()(block.view(R, N * bs))  # (R, N·bs, C), frozen
         at = anchors[:, :, None] + torch.arange(bs, device=x0.device)  # (R, N, bs) each slot's position
         pos = torch.cat([torch.arange(S, device=x0.device).expand(R, S), at.view(R, -1)], dim=1)
-        mask = kernels.device_mask(kernels.draft_blocks(S, bs, anchors, keep), R, N * bs, S + N * bs, x0.device)
+        mask_mod, shape = kernels.draft_blocks(S, bs, anchors, keep), (R, N * bs, S + N * bs, x0.device)
+        mask = kernels.device_mask(mask_mod, *shape) if self.flex is None else \
+            (kernels.block_mask if self.flex else kernels.dense_mask)(mask_mod, *shape)
         return self.draft(emb.to(feats.dtype), feats, pos, mask)
 
     def forward(self, x0, key_valid, anchors, keep, loss_mask):
@@ -394,6 +397,7 @@ if __name__ == '__main__':
     # system
     device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' ...
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
+    attn_implementation = 'auto'  # 'auto' (flex_attention on CUDA, else sdpa) | 'sdpa' | 'eager' | 'flex_attention'
     compile = False  # torch.compile the draft layers and the chunked CE (worth it on GPU; ~20 s cold start on CPU)
     fsdp = False  # shard the draft with FSDP2 (fully_shard) instead of DDP when launched with torchrun
     activation_checkpointing = False  # recompute the draft's blocks in backward: less memory, ~1/3 more compute
@@ -530,7 +534,9 @@ if __name__ == '__main__':
     draft = lora_for_run(draft, config, checkpoint, init_from)  # lora_r > 0: adapters on a frozen base
     draft.to(device)
     raw_model = draft  # the bare draft: state_dict, export, sampling
-    net = DFlash(draft, target_model, weights=decay_weights(block_size, gamma).to(device), compiled_ce=compile)
+    attn_implementation = hf.default_attn_implementation(device, attn_implementation)  # the draft's masks
+    net = DFlash(draft, target_model, weights=decay_weights(block_size, gamma).to(device), compiled_ce=compile,
+                 flex=attn_implementation == 'flex_attention')
     pair = sampler_lib.Speculative(target_model, draft)  # what the dflash sampler decodes with
     n_params = sum(p.numel() for p in raw_model.parameters())
     print0(f'model: draft {n_params / 1e6:.2f}M parameters ({len(draft.layers)} layers, block {block_size}, gamma '
@@ -612,6 +618,7 @@ if __name__ == '__main__':
     lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
     resumed = resolve_config(config, saved, start_step, device=device, dtype=dtype, mask_id=mask_id,
                              lr_decay_iters=lr_decay_iters, data_dir=data_dir, target=target_dir, block_size=block_size,
+                             attn_implementation=attn_implementation,
                              loss_decay_gamma=gamma, target_layer_ids=','.join(map(str, raw_model.target_layer_ids)),
                              world_size=ddp_world_size)
     log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)

@@ -30,9 +30,12 @@ import torch.utils.checkpoint
 import kernels
 
 
-def default_attn_implementation(device):
-    """flex_attention on CUDA (BlockMask, no dense O(L^2) masks, fused kernels), SDPA elsewhere: flex has no backward
-    on CPU (kernels.py)."""
+def default_attn_implementation(device, choice='auto'):
+    """The attention a run uses: `choice` (the attn_implementation key), where 'auto' means flex_attention on CUDA
+    (BlockMask, no dense O(L^2) masks, fused kernels) and SDPA elsewhere: flex has no backward on CPU (kernels.py).
+    'sdpa' on CUDA is the dense-mask reference that bench.py --only=gpu checks flex against."""
+    if choice != 'auto':
+        return choice
     cuda = torch.device(device).type == 'cuda' and kernels.create_block_mask is not None
     return 'flex_attention' if cuda else 'sdpa'
 
@@ -295,11 +298,15 @@ def uses_flex(model):
 
 def attention_mask(model, mask_mod, B, Q, K, device):
     """The mask_mod (kernels.py) in the form the model's attention takes: a BlockMask for flex_attention (built once
-    per batch and shared by every layer), else a dense bool (B, 1, Q, K) mask (True = attend) for SDPA/eager.
-    transformers passes a 4-D mask of either kind through unchanged."""
+    per batch and shared by every layer), a dense bool (B, 1, Q, K) mask (True = attend) for SDPA, and for eager the
+    same as an additive float mask (0 / the float32 minimum): transformers passes a 4-D mask through unchanged, and
+    its eager attention adds it to the scores, so a bool mask there would add 1 to every visible score."""
     if uses_flex(model):
         return kernels.block_mask(mask_mod, B, Q, K, device)
-    return kernels.dense_mask(mask_mod, B, Q, K, device)
+    dense = kernels.dense_mask(mask_mod, B, Q, K, device)
+    if getattr(model.config, '_attn_implementation', 'sdpa') == 'eager':
+        return torch.zeros(dense.shape, device=device).masked_fill_(~dense, torch.finfo(torch.float32).min)
+    return dense
 
 # -----------------------------------------------------------------------------
 # forward and KV cache (sampling)

@@ -127,9 +127,6 @@ def family_settings_error(c):
         return 'dataset and data_dir are empty: give --data_dir (a prepared chat dataset, tokenized for the model)'
     if not c['init_from']:
         return "init_from is empty: give the AR model to convert (an ar.py out_dir or a local HF dir), or 'scratch'"
-    if c['attn_implementation'] not in ('auto', 'sdpa', 'eager', 'flex_attention'):
-        return (f"attn_implementation={c['attn_implementation']!r} cannot take the I-DLM mask: use 'sdpa', 'eager' "
-                f"or 'flex_attention' ('auto': flex on CUDA, sdpa elsewhere; flash_attention_2 ignores custom masks)")
     return None
 
 # -----------------------------------------------------------------------------
@@ -167,7 +164,6 @@ if __name__ == '__main__':
     n_embd = 128  # hidden size (scratch)
     intermediate_size = 512  # MLP hidden size (scratch; 0 = 3 * n_embd)
     rope_theta = 10000.0  # RoPE base (scratch)
-    attn_implementation = 'auto'  # 'auto' (flex_attention on CUDA, sdpa elsewhere) | 'sdpa' | 'eager' | 'flex_attention'
     # I-DLM
     mask_id = -1  # [MASK] token id (a reserved token); -1 = from meta.json / the tokenizer (Qwen3: 151669)
     block_length = 1  # the noisy block (the curriculum 1 -> 2 -> 3); ISD's stride is block_length + 1
@@ -189,6 +185,7 @@ if __name__ == '__main__':
     # system
     device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' ...
     dtype = 'auto'  # 'auto' (bfloat16 autocast on CUDA, float32 on CPU) | 'float32' | 'bfloat16'
+    attn_implementation = 'auto'  # 'auto' (flex_attention on CUDA, else sdpa) | 'sdpa' | 'eager' | 'flex_attention'
     compile = False  # torch.compile the decoder and the chunked CE (worth it on GPU; ~20 s cold start on CPU)
     fsdp = False  # shard with FSDP2 (fully_shard) instead of DDP when launched with torchrun
     activation_checkpointing = False  # recompute each block in backward: less memory for ~1/3 more compute
@@ -255,8 +252,7 @@ if __name__ == '__main__':
     # model
     ckpt_path, hf_dir, lock = claim_out_dir(out_dir, init_from, overwrite)  # one run per out_dir; keep lock open
     start_step, checkpoint, saved = 0, None, None
-    if attn_implementation == 'auto':
-        attn_implementation = hf.default_attn_implementation(device)  # flex_attention on CUDA, sdpa on CPU
+    attn_implementation = hf.default_attn_implementation(device, attn_implementation)  # 'auto': flex on CUDA
     if init_from == 'resume':
         checkpoint, saved = load_resume(ckpt_path, FAMILY, config, given)
         start_step = checkpoint['step']

@@ -170,6 +170,11 @@ def settings_error(c, model_types=('qwen3', 'llama')):
             return f"model_type={c['model_type']!r} must be " + ' or '.join(map(repr, model_types))
     if c['dtype'] not in ('auto', 'float32', 'bfloat16'):
         return f"dtype={c['dtype']!r} must be 'auto', 'float32' or 'bfloat16'"
+    if c['attn_implementation'] not in ('auto', 'sdpa', 'eager', 'flex_attention'):
+        return (f"attn_implementation={c['attn_implementation']!r} must be 'auto', 'sdpa', 'eager' or 'flex_attention' "
+                f"(the families' masks are explicit: flash_attention_2 would ignore them)")
+    if c['attn_implementation'] == 'flex_attention' and (c['device'] == 'cpu' or not torch.cuda.is_available()):
+        return 'attn_implementation=flex_attention needs CUDA (flex_attention has no backward on CPU)'
     if not re.fullmatch(r'auto|cpu|cuda(:\d+)?', c['device']):
         return f"device={c['device']!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'"
     if c['device'].startswith('cuda') and int(c['device'][5:] or 0) >= torch.cuda.device_count():

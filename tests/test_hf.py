@@ -71,6 +71,23 @@ def test_flex_blockmask_through_the_model_equals_sdpa_dense(layout):
     assert not torch.allclose(a, unmasked, atol=1e-3), 'the mask changes nothing: the test would pass without it'
 
 
+@pytest.mark.parametrize('layout', list(LAYOUTS))
+def test_eager_attention_takes_the_same_mask_as_sdpa(layout):
+    # attn_implementation='eager': transformers adds the 4-D mask to the scores, so hf.attention_mask must give it
+    # an additive mask (a bool one adds 1 to every visible score: bench.py's per-family check found hybrid, gemma_bd
+    # and idlm training differently under eager)
+    bidir, make, make_pos = LAYOUTS[layout]
+    B, T = 2, 32 if layout != 'dflash' else 128
+    sdpa, eager = tiny(bidir), tiny(bidir, attn='eager')
+    eager.load_state_dict(sdpa.state_dict())
+    x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+    mm, pos = make(B, T), None if make_pos is None else make_pos(B, T)
+    with torch.no_grad():
+        a = hf.last_hidden_state(sdpa, x, hf.attention_mask(sdpa, mm, B, T, T, 'cpu'), pos)
+        b = hf.last_hidden_state(eager, x, hf.attention_mask(eager, mm, B, T, T, 'cpu'), pos)
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
 def test_forward_keywords_are_looked_up_once_per_function():
     model = tiny(False)
     calls = []

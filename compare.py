@@ -102,8 +102,9 @@ def decode(name, d, a, out, fresh, rows, results):
             continue
         row = dict(family=name, kind='decode', setting=label)
         for bs, n in ((64, a.n_fresh), (1, a.n_batch1)):
+            log = os.path.join(out, re.sub(r'\W+', '_', f'{name}-{label}-b{bs}') + '.log')
             rc, _, _, text = run(['sample.py', '--checkpoint', d, '--eval', fresh, '--batch_size', str(bs),
-                                  '--n', str(n), *extra], os.path.join(out, re.sub(r'\W+', '_', f'{name}-{label}-b{bs}') + '.log'))
+                                  '--n', str(n), *extra], log)
             e = eval_line(text) if rc == 0 else None
             if e is None:
                 raise SystemExit(f'error: {name} {label} decoding failed, see its log in {out}')
@@ -116,6 +117,11 @@ def add(rows, results, row):
     with open(results, 'a') as f:
         f.write(json.dumps(row) + '\n')
     print(json.dumps(row), flush=True)
+
+
+def figure_possible():
+    import importlib.util
+    return importlib.util.find_spec('matplotlib') is not None
 
 
 def report(rows, page, figure, meta):
@@ -138,6 +144,22 @@ def report(rows, page, figure, meta):
                      f"{t.get('s_per_step', 0):.3f} ({ratio(t.get('s_per_step'), ll and ll['s_per_step'])}) | "
                      f"{t.get('rss_mib', 0):,} MiB ({ratio(t.get('rss_mib'), ll and ll['rss_mib'])}) | "
                      f"{ex:,}{' (AR + its own)' if r['family'] in ('dflash', 'idlm') else ''} |")
+    if ar:  # the verdict the table answers: at the AR model's accuracy (within a point), faster than AR?
+        lines += ['', f"**Faster than AR at its accuracy?** AR: {ar['acc_b64']:.1f} % at batch 64. For each family, "
+                  'its fastest setting within one point of that accuracy (or better), as a ratio to AR\'s KV-cached '
+                  'decoding in the same run:', '']
+        for fam in dict.fromkeys(r['family'] for r in dec if r['family'] != 'ar'):
+            good = [r for r in dec if r['family'] == fam and r['acc_b64'] >= ar['acc_b64'] - 1]
+            if not good:
+                best = max((r for r in dec if r['family'] == fam), key=lambda r: r['acc_b64'])
+                lines.append(f"- {fam}: no setting reaches it (best {best['acc_b64']:.1f} % at {best['setting']})")
+                continue
+            b1, b64 = (max(good, key=lambda r: r[f'tok_s_b{n}']) for n in (1, 64))
+            lines.append(f"- {fam}: batch 1 {b1['tok_s_b1'] / ar['tok_s_b1']:.2f}x ({b1['setting']}, "
+                         f"{b1['acc_b64']:.1f} %), batch 64 {b64['tok_s_b64'] / ar['tok_s_b64']:.2f}x "
+                         f"({b64['setting']}, {b64['acc_b64']:.1f} %)")
+    if os.path.exists(figure) or figure_possible():
+        lines += ['', f'![accuracy against tokens per forward]({os.path.basename(figure)})']
     with open(page, 'w') as f:
         f.write('\n'.join(lines) + '\n')
     try:
@@ -177,7 +199,9 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     results = os.path.join(out, 'results.jsonl')
     rows = [json.loads(line) for line in open(results)] if os.path.exists(results) else []
-    a.data_dir = os.path.abspath(a.data_dir or os.path.join(HERE, 'data', 'sudoku'))
+    # tiny: a small dataset of its own (in data/sudoku it would stand in for the real one in every later run)
+    a.data_dir = os.path.abspath(a.data_dir or os.path.join(out if a.tiny else os.path.join(HERE, 'data'),
+                                                             'sudoku'))
     sys.path.insert(0, HERE)
     from data.prepare import ensure_synthetic  # as the scripts generate it (a.tiny: a small one)
     ensure_synthetic('sudoku', a.data_dir, max_seq_len=64, seed=0, **(dict(n_train=500, n_val=32) if a.tiny else {}))
@@ -186,7 +210,7 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f'error: --families: unknown {sorted(unknown)} (have {", ".join(ORDER)})')
     if not a.report:
-        t0 = time.time()
+        t0, n_before = time.time(), len(rows)
         fresh = os.path.join(out, 'fresh_sudoku.jsonl')
         for name in names:
             d = train_one(name, a, out, rows, results)
@@ -194,11 +218,13 @@ def main(argv=None):
                 from data.synthetic import write_jsonl
                 write_jsonl(fresh_problems('sudoku', a.n_fresh, a.data_dir), fresh)
             decode(name, d, a, out, fresh, rows, results)
-        print(f'compare: {time.time() - t0:.0f} s')
+        if any(r['kind'] != 'total' for r in rows[n_before:]):  # this invocation ran something: its wall time
+            add(rows, results, dict(family='-', kind='total', wall_s=round(time.time() - t0)))
     meta = (f"Measured by `python compare.py` on {platform.node() or 'this machine'} ({os.cpu_count()} CPU cores, "
             f"{platform.processor() or platform.machine()}, fp32), {time.strftime('%Y-%m-%d')}. Budget per family: "
             f"{' '.join(TINY if a.tiny else BUDGET)}; {a.n_fresh} fresh puzzles (batch 64), the first {a.n_batch1} "
-            f"of them one at a time (batch 1). Total wall time: see compare/results.jsonl.")
+            f"of them one at a time (batch 1). Wall time of the whole comparison: "
+            f"{sum(r['wall_s'] for r in rows if r['kind'] == 'total') / 60:.0f} min.")
     report(rows, a.page, os.path.splitext(a.page)[0] + '.png', meta)
     print(f'wrote {a.page}')
 

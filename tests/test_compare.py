@@ -23,7 +23,7 @@ def test_tiny_comparison_trains_scores_and_writes_the_page(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(line) for line in open(tmp_path / 'c' / 'results.jsonl')]
     assert [(x['family'], x['kind']) for x in rows] == [('ar', 'train'), ('ar', 'decode'), ('llada', 'train'),
-                                                        ('llada', 'decode')], rows
+                                                        ('llada', 'decode'), ('-', 'total')], rows
     assert all(x['examples'] == 4 * 8 for x in rows if x['kind'] == 'train')  # TINY: 4 steps of 8
     dec = [x for x in rows if x['kind'] == 'decode']
     assert all(x['nfe_b64'] > 0 and x['tok_s_b1'] > 0 for x in dec)
@@ -35,4 +35,4 @@ def test_tiny_comparison_trains_scores_and_writes_the_page(tmp_path):
     page = (tmp_path / 'results.md').read_text()
     assert '| ar | KV cache |' in page and '| llada | threshold 0 |' in page and '(1.00x)' in page, page
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)  # everything done: skips
-    assert r.returncode == 0 and len(open(tmp_path / 'c' / 'results.jsonl').readlines()) == 4
+    assert r.returncode == 0 and len(open(tmp_path / 'c' / 'results.jsonl').readlines()) == 5

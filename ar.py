@@ -25,8 +25,8 @@ import hf
 import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, get_lr, settings_error, die_at, save_run,
                       open_data, claim_out_dir, load_resume, model_for_run, wrap, gathered, adamw, full_state,
-                      resolve_config, RunLog, stop_if_not_finite, Saver, exact_match, checkpoint_activations,
-                      lora_for_run, micro_steps, eval_rows)
+                      resolve_config, RunLog, stop_if_not_finite, Saver, exact_match, lora_for_run, micro_steps,
+                      eval_rows)
 from data.loader import collate, pack as pack_rows
 
 FAMILY = 'ar'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -218,12 +218,9 @@ if __name__ == '__main__':
     print0(f'model: {n_params / 1e6:.2f}M parameters, vocab {vocab}, '
            f'world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = {global_batch} examples/step')
 
-    if activation_checkpointing:  # before compile and FSDP: each block's recompute stays inside its unit
-        checkpoint_activations(raw_model)
-    if compile:
-        raw_model.get_decoder().compile()  # in place: state_dict keys keep their names (no _orig_mod.)
-    train_model, fsdp_units = wrap(net, hf.shard_units(raw_model) if fsdp else [], fsdp=fsdp,
-                                   device_type=device_type, local_rank=ddp_local_rank)
+    train_model, fsdp_units = wrap(net, hf.shard_units(raw_model) if fsdp else [], fsdp=fsdp, device_type=device_type,
+                                   local_rank=ddp_local_rank, compiled=[raw_model.get_decoder()] if compile else [],
+                                   checkpointed=raw_model if activation_checkpointing else None)  # the order: skeleton.wrap
     optimizer = adamw(net, learning_rate=learning_rate, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                       device_type=device_type, checkpoint=checkpoint)
     checkpoint = None  # free memory

@@ -47,7 +47,7 @@ import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
                       resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, check_mask_id, exact_match,
-                      causal_lm_error, checkpoint_activations, lora_for_run, micro_steps, eval_rows)
+                      causal_lm_error, lora_for_run, micro_steps, eval_rows)
 from data.loader import collate
 
 FAMILY = 'dflash'  # the family's name, in ckpt.pt and meta.json: a resume checks it, sample.py picks the sampler
@@ -545,13 +545,9 @@ if __name__ == '__main__':
            f'{mask_id}, world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = {global_batch} '
            f'examples/step')
 
-    if activation_checkpointing:  # before compile and FSDP: each block's recompute stays inside its unit
-        checkpoint_activations(raw_model)
-    if compile:
-        for layer in draft.layers:
-            layer.compile()  # in place: state_dict keys keep their names (no _orig_mod.)
-    train_model, fsdp_units = wrap(net, hf.shard_units(raw_model) if fsdp else [], fsdp=fsdp,
-                                   device_type=device_type, local_rank=ddp_local_rank)
+    train_model, fsdp_units = wrap(net, hf.shard_units(raw_model) if fsdp else [], fsdp=fsdp, device_type=device_type,
+                                   local_rank=ddp_local_rank, compiled=list(draft.layers) if compile else [],
+                                   checkpointed=raw_model if activation_checkpointing else None)  # the order: skeleton.wrap
     optimizer = adamw(net, learning_rate=learning_rate, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                       device_type=device_type, checkpoint=checkpoint)
     checkpoint = None  # free memory

@@ -45,8 +45,8 @@ import hf
 import kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
-                      resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, exact_match,
-                      checkpoint_activations, lora_for_run, micro_steps, eval_rows)
+                      resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, exact_match, lora_for_run,
+                      micro_steps, eval_rows)
 
 FAMILY = 'gemma_bd'  # the family's name, in ckpt.pt and meta.json: a resume checks it, sample.py picks the sampler
 MODULE = os.path.basename(__file__)[:-3]  # this file: meta.json records it, sample.py imports its math from it
@@ -445,15 +445,12 @@ if __name__ == '__main__':
            f'vocab {vocab}, canvas {canvas_length}, world {ddp_world_size} x accum {grad_accum} x batch {batch_size} = '
            f'{global_batch} examples/step')
 
-    if activation_checkpointing:  # before compile and FSDP: each block's recompute stays inside its unit
-        checkpoint_activations(raw_model)
-    if compile:
-        raw_model.model.decoder.compile()  # in place: state_dict keys keep their names (no _orig_mod.)
     # encoder layer i holds decoder layer i's submodules (share_encoder_modules): one FSDP unit, each weight sharded
     # once; training calls only the decoder layer (one call per pass), the sampler's encoder passes the other
     units = [[d, e] for d, e in zip(raw_model.model.decoder.layers, raw_model.model.encoder.language_model.layers)]
     train_model, fsdp_units = wrap(net, units if fsdp else [], fsdp=fsdp, device_type=device_type,
-                                   local_rank=ddp_local_rank)
+                                   local_rank=ddp_local_rank, compiled=[raw_model.model.decoder] if compile else [],
+                                   checkpointed=raw_model if activation_checkpointing else None)  # the order: skeleton.wrap
     optimizer = adamw(net, learning_rate=learning_rate, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                       device_type=device_type, checkpoint=checkpoint)  # the trained parameters only
     trained = [p for p in net.parameters() if p.requires_grad]

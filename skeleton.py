@@ -468,10 +468,16 @@ def mask_id_for_run(mask_id, checkpoint, default, vocab_size, pad_id, eos_id):
         fail(str(e), 2)
     return mask_id
 
-def wrap(module, units, *, fsdp, device_type, local_rank):
-    """module (the one nn.Module whose forward returns the loss) made ready for data parallelism: under torchrun,
-    FSDP2 (each of units sharded, then the root) or DDP; on one process, itself. Returns (train_model, the FSDP
-    units incl. the root, for gathered())."""
+def wrap(module, units, *, fsdp, device_type, local_rank, checkpointed=None, compiled=()):
+    """module (the one nn.Module whose forward returns the loss) made ready to train, in the one order that
+    composes: activation checkpointing of the HF model `checkpointed` (None: off), then torch.compile of each module
+    in `compiled` (in place: state_dict keys keep their names, no _orig_mod.), then data parallelism under torchrun:
+    FSDP2 (each of units sharded, then the root) or DDP; on one process, itself. So each block's recompute and
+    compiled graph stay inside its FSDP unit. Returns (train_model, the FSDP units incl. the root, for gathered())."""
+    if checkpointed is not None:
+        checkpoint_activations(checkpointed)
+    for m in compiled:
+        m.compile()
     if not dist.is_initialized():
         return module, []
     if fsdp:

@@ -26,6 +26,7 @@ Benchmarks (performance, not tests). Each section prints a table with ratios mea
     python bench.py --only=gpu           # every CUDA path of a llada step (flex, bf16, compile, FSDP2) checked against
                                          # its reference, then tokens/s + MFU of a ~0.5B model; exits 1 if a check fails
     python bench.py --only=gpu --toy     # the same at a tiny size (the default on CPU, where flex runs forward only)
+    python bench.py --only=plan          # plan.py's memory plan vs the measured peak RSS, every family at two sizes
 
 Each variant runs in its own subprocess so its peak memory is its own. torch does not track CPU memory,
 so we read the kernel's counters: after the warm-up iteration (which includes any compile) the child
@@ -1305,6 +1306,114 @@ def gpu_need_mib(check, args):
     return 0
 
 
+# -----------------------------------------------------------------------------
+# plan: plan.py's predicted peak (`<family>.py --plan`) vs the peak RSS above baseline of the same run on CPU
+# (fp32, SDPA with the dense mask), every family at two sizes. Raw text fills every row, so T is exact (idlm and
+# dflash train on chat only: 4x4 sudoku, whose examples are all 40 tokens). The run is
+# killed mid-step 3 (NANODLM_DIE_AT=step:3): two optimizer steps and a third forward + backward have run, eval and
+# export never do. Baseline: a process that imports the same modules, builds a negligible model of the same kind
+# and stops.
+
+PLAN_SIZES = {'tiny': ['--max_seq_len=64'],  # each family's embedded model and micro-batch
+              '100m': ['--n_layer=12', '--n_embd=768', '--n_head=12', '--n_kv_head=12', '--intermediate_size=2048',
+                       '--max_seq_len=256', '--batch_size=4', '--moe_intermediate_size=384']}
+PLAN_FAMILIES = ['llada', 'ar', 'scdd', 'hybrid', 'gemma_bd', 'idlm', 'dflash']
+PLAN_VARIANTS = [f'{f}@{s}' for s in PLAN_SIZES for f in PLAN_FAMILIES]
+
+
+def _plan_setup(size):
+    """A raw-text dataset (the repo's docs, byte tokenizer) and, for idlm and dflash, an AR model of the size: a
+    one-step ar.py run. Cached in out-bench-plan/."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.join(here, 'out-bench-plan')
+    data = os.path.join(root, 'text')
+    if not os.path.isfile(os.path.join(data, 'meta.json')):
+        docs = sorted(os.path.join(here, 'docs', f) for f in os.listdir(os.path.join(here, 'docs')) if f.endswith('.md'))
+        subprocess.run([sys.executable, 'data/prepare.py', '--text=' + ','.join(docs + [os.path.join(here, 'README.md')]),
+                        '--tokenizer=byte', '--val_fraction=0.1', f'--out_dir={data}'], cwd=here, check=True,
+                       capture_output=True)
+    ar = os.path.join(root, f'ar-{size}')
+    if not os.path.isdir(os.path.join(ar, 'hf')):
+        sizes = [a for a in PLAN_SIZES[size] if not a.startswith('--moe')]
+        subprocess.run([sys.executable, 'ar.py', *sizes, f'--data_dir={data}', '--max_iters=1', '--eval_interval=0',
+                        '--eval_samples=0', '--eval_iters=0', f'--out_dir={ar}', '--overwrite=True', '--device=cpu'],
+                       cwd=here, check=True, capture_output=True)
+    return here, data, ar
+
+
+def plan_child(variant, args):
+    import re
+    import tempfile
+    family, size = variant.split('@')
+    here, data, ar = _plan_setup(size)
+    sizes = [a for a in PLAN_SIZES[size] if family == 'gemma_bd' or not a.startswith('--moe')]
+    if family == 'dflash':  # a 2-layer draft reading the AR model's layers
+        sizes = [a for a in sizes if not a.startswith('--n_layer')] + [f'--target={ar}', '--target_layer_ids=0,1']
+    if family == 'idlm':
+        sizes += [f'--init_from={ar}']
+    if family in ('idlm', 'dflash'):  # chat data only: 4x4 sudoku, every example 40 tokens (T exact again)
+        from data.prepare import ensure_synthetic
+        data = ensure_synthetic('sudoku', os.path.join(os.path.dirname(data), 'sudoku'), max_seq_len=64, seed=0,
+                                n_train=2000, n_val=64)
+        sizes = [a for a in sizes if not a.startswith(('--max_seq_len', '--batch_size'))]
+        sizes += ['--max_seq_len=64'] + (['--batch_size=32'] if size == '100m' else [])
+    env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')}
+    env['PYTHONWARNINGS'] = 'ignore'
+    with tempfile.TemporaryDirectory() as tmp:
+        run = [f'{family}.py', *sizes, f'--data_dir={data}', '--max_iters=3', '--eval_interval=0', '--eval_iters=0',
+               '--eval_samples=0', '--log_interval=1', '--device=cpu', f'--out_dir={tmp}/run', '--overwrite=True']
+        r = subprocess.run([sys.executable, *run, '--plan=1x1000'], cwd=here, capture_output=True, text=True, env=env)
+        m = re.search(r'peak .*\(([\d,]+) MiB\)', r.stdout)
+        if not m:
+            raise RuntimeError(f'--plan printed no peak: {(r.stderr or r.stdout).strip().splitlines()[-1:]}')
+        planned = float(m[1].replace(',', ''))
+
+        def max_rss(argv, die=''):
+            out = os.path.join(tmp, 'rss')
+            subprocess.run(['/usr/bin/time', '-f', '%M', '-o', out, sys.executable, *argv], cwd=here,
+                           capture_output=True, env={**env, 'NANODLM_DIE_AT': die} if die else env)
+            with open(out) as f:
+                return int(f.read().split()[-1]) / 1024  # KiB -> MiB (the last line: after any signal note)
+        # the baseline builds a negligible model of the same kind: transformers imports its model code lazily
+        # (~120 MiB of RSS, not a tensor the plan counts)
+        tiny = ("hf.build_diffusion_gemma('scratch', vocab_size=264, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)"
+                if family == 'gemma_bd' else
+                f"hf.build_model({os.path.join(os.path.dirname(ar), 'ar-tiny', 'hf')!r}, bidirectional=False)"
+                if family in ('idlm', 'dflash') else
+                "hf.build_model('scratch', vocab_size=264, n_layer=1, n_head=2, n_kv_head=2, n_embd=16)")
+        imports = ['-c', f'import {family}, sample, skeleton, data.loader, hf; {tiny}']
+        out = {'planned_mib': planned, 'plan': r.stdout.strip()}
+        if size == 'tiny':  # glibc's default: its mmap threshold grows, freed blocks stay in the heap
+            out['default_malloc_mib'] = max_rss(run, die='step:3') - max_rss(imports)
+        env['MALLOC_MMAP_THRESHOLD_'] = '131072'  # fixed: every large tensor is its own mapping, returned when freed
+        out['measured_mib'] = max_rss(run, die='step:3') - max_rss(imports)
+    return out
+
+
+def plan_report(results, args):
+    print("plan: `<family>.py --plan` (plan.py) vs the peak RSS above baseline of the same CPU run (fp32, SDPA, "
+          "raw text rows of T tokens, killed mid-step 3), with glibc's mmap threshold fixed at 128 KiB so that RSS "
+          "follows the live tensors (as a GPU's allocated bytes do); glibc's default keeps freed blocks, for reference")
+    print("| family | size | planned MiB | measured MiB | planned / measured | measured, default malloc |")
+    print("|---|---|---|---|---|---|")
+    ok = True
+    for v, r in results.items():
+        f, s = v.split('@')
+        if 'error' in r:
+            print(f"| {f} | {s} | {r['error']} | | | |")
+            ok = False
+            continue
+        ratio = r['planned_mib'] / max(r['measured_mib'], 1e-9)
+        ok &= 0.8 <= ratio <= 1.2
+        dm = f"{r['default_malloc_mib']:,.0f}" if 'default_malloc_mib' in r else '-'
+        print(f"| {f} | {s} | {r['planned_mib']:,.0f} | {r['measured_mib']:,.0f} | {ratio:.2f} | {dm} |")
+    return ok
+
+
+def plan_need_mib(variant, args):
+    return 0
+
+
 SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'scdd_loss': (SCDD_VARIANTS, scdd_child, scdd_report, scdd_need_mib),
             'train': (TRAIN_VARIANTS, train_child, train_report, train_need_mib),
@@ -1318,7 +1427,8 @@ SECTIONS = {'ce': (CE_VARIANTS, ce_child, ce_report, ce_need_mib),
             'dflash': (DFLASH_VARIANTS, dflash_child, dflash_report, dflash_need_mib),
             'dflash_train': (DFLASH_TRAIN_VARIANTS, dflash_train_child, dflash_train_report, dflash_train_need_mib),
             'idlm': (IDLM_VARIANTS, idlm_child, idlm_report, idlm_need_mib),
-            'gpu': (GPU_CHECKS, gpu_child, gpu_report, gpu_need_mib)}
+            'gpu': (GPU_CHECKS, gpu_child, gpu_report, gpu_need_mib),
+            'plan': (PLAN_VARIANTS, plan_child, plan_report, plan_need_mib)}
 
 # the sections that decode a trained checkpoint: (its argument, the script that trains it). Run by name (--only),
 # a missing one is an error; in a run of every section it is a 'skipped' row
@@ -1409,7 +1519,8 @@ def main():
         variants, _, report, need_mib = SECTIONS[s]
         variants = variants(args) if callable(variants) else variants
         if args.variants:  # by name, any threshold
-            variants = [v for v in variants if v.partition('@')[0] in args.variants.split(',')]
+            wanted = args.variants.split(',')
+            variants = [v for v in variants if v in wanted or v.partition('@')[0] in wanted or v.partition('@')[2] in wanted]
         results = {}
         for v in variants:
             if need_mib(v, args) > 0.8 * _mem_available_mib():

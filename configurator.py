@@ -15,6 +15,7 @@ which is then run as
 
     python llada.py config/llada_tiny.py --learning_rate=1e-3 --compile=False
     python llada.py --help      # every key with its type, default and comment
+    python llada.py --plan=8x80 # the memory plan per GPU on 8 GPUs of 80 GiB (plan.py), then exit
 
 Config keys are the script's public globals (no leading '_') holding an int, float, bool or str.
 The command line is applied left to right, so later items win:
@@ -212,12 +213,17 @@ def configure(g, argv=None, script=None, sources=None):
         except BrokenPipeError:  # the reader left early; keep Python's exit-time flush from raising it again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    plan = [a for a in argv if a == '--plan' or a.startswith('--plan=')]  # plan.py: the memory plan, then exit
+    argv = [a for a in argv if a not in plan]
     sources = {} if sources is None else sources
     try:
         config = apply_overrides(g, argv, sources)
     except ConfigError as e:
         usage_error(e)
     g.update(config)
+    if plan:
+        import plan as planner
+        planner.main(g.get('FAMILY', ''), config, plan[-1].partition('=')[2])
     if int(os.environ.get('RANK', 0)) == 0:  # under torchrun only rank 0 talks
         for key, where in sources.items():
             print(f"config: {key} = {config[key]!r}  ({where})")

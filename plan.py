@@ -33,7 +33,6 @@ Measured against the peak RSS of real CPU runs of every family at two sizes: `py
 ~10 % free), NCCL buffers, eval and sampling (no grad, smaller), torch.compile's workspace.
 """
 import json
-import math
 import os
 
 import torch
@@ -86,7 +85,7 @@ def moe_layer(m, *, bf16, flex):
     """Bytes a DiffusionGemma (Gemma 4 MoE) decoder layer saves per token: the dense layer's attention (k is v:
     one projection, with a v-norm) and sandwich norms, a dense MLP, and an MoE block (router, then each token's
     top-k experts: the gathered input, fused gate_up, act, act*up, output per expert copy)."""
-    d, f, k, fm, E = m['d'], m['f'], m['k'], m['fm'], m['E']
+    d, k, fm, E = m['d'], m['k'], m['fm'], m['E']
     a = 2 if bf16 else 4
     base = dense_layer(m, bf16=bf16, flex=flex)
     extra_norms = 8 * 4 * d + (8 if bf16 else 0) * d  # post-attention, pre/post feed-forward x2, router norm
@@ -263,8 +262,8 @@ def report(p):
              f"{', FSDP2' if p['fsdp'] else ''}, {'bf16 autocast' if p['bf16'] else 'fp32'}, "
              f"{'flex' if p['flex'] else 'dense-mask'} attention, activation checkpointing "
              f"{'on' if p['ckpt'] else 'off'}",
-             f"  parameters {p['params'] / 1e6:,.1f}M, trained {p['trained'] / 1e6:,.1f}M"
-             + (f", frozen target {p['target'] / 1e6:,.1f}M" if p['target'] else ''),
+             f"  parameters {p['params']:,}, trained {p['trained']:,}"
+             + (f", frozen target {p['target']:,}" if p['target'] else ''),
              f"  micro-batch {p['rows']} rows x {p['tokens']} tokens with grad (T = {p['T']}), "
              f"{p['accum']} micro-step(s) per rank; {p['tokens_per_step']:,} tokens per optimizer step",
              f"  weights          {g(p['weights'])}", f"  gradients        {g(p['grads'])}",
@@ -295,6 +294,11 @@ def main(family, config, spec):
             print(f"error: --plan={spec}: expected <GPUs>x<GiB>, e.g. --plan=8x80", file=sys.stderr)
             sys.exit(2)
     dev = config.get('device', 'auto')
-    p = plan(family, config, world, gib, 'cpu' if dev == 'cpu' else 'cuda')
+    try:
+        p = plan(family, config, world, gib, 'cpu' if dev == 'cpu' else 'cuda')
+    except (OSError, ValueError, KeyError) as e:  # no config.json there, remote code not trusted, a bad shape
+        print(f"error: --plan: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
+              file=sys.stderr)
+        sys.exit(2)
     print(report(p))
     sys.exit(0 if p['fits'] else 1)

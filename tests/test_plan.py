@@ -1,0 +1,150 @@
+"""plan.py, the memory planner: its per-layer activation counts against what autograd really saves (a saved-tensor
+trace of transformers' layers), and --plan end to end on a checkpoint directory that holds only a config.json (no
+weights to read). bench.py --only=plan checks the whole plan against measured peak RSS (a tiny run here)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B, T = 2, 10
+
+
+def saved_bytes(model, bf16):
+    """Bytes of the distinct non-parameter tensors autograd saves in a forward of model's decoder (B, T)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params and tuple(t.shape) not in shapes:  # not a weight, nor its bf16 cast
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+    x = torch.randint(0, 64, (B, T))
+    mask = torch.ones(B, 1, T, T, dtype=torch.bool)
+    with torch.autocast('cpu', torch.bfloat16, enabled=bf16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=x, attention_mask=mask)
+    return sum(seen.values())
+
+
+def dense(model_type, n_layer):
+    cls = {'qwen3': transformers.Qwen3Config, 'llama': transformers.LlamaConfig}[model_type]
+    cfg = cls(vocab_size=64, hidden_size=96, intermediate_size=320, num_hidden_layers=n_layer, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=16, attn_implementation='sdpa')
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize('model_type', ['qwen3', 'llama'])
+@pytest.mark.parametrize('bf16', [False, True])
+def test_dense_layer_is_what_autograd_saves(model_type, bf16):
+    """One more layer adds exactly what plan.dense_layer counts per token (the shared mask and RoPE tables cancel in
+    the difference), in fp32 and under bf16 autocast, with SDPA's repeated k/v (GQA 8:2 here)."""
+    one = saved_bytes(dense(model_type, 1), bf16)
+    two = saved_bytes(dense(model_type, 2), bf16)
+    traced = (two - one) / (B * T)
+    counted = plan.dense_layer(plan.dims(dense(model_type, 1).config), bf16=bf16, flex=False)
+    assert counted == pytest.approx(traced, rel=0.02), (traced, counted)
+
+
+def test_moe_layer_is_what_autograd_saves():
+    """DiffusionGemma's MoE layer (sandwich norms, dense MLP, router, top-k experts) in fp32."""
+    import hf
+
+    def gemma(n):
+        torch.manual_seed(0)
+        return hf.build_diffusion_gemma('scratch', vocab_size=64, n_layer=n, n_head=8, n_kv_head=2, n_embd=96,
+                                        intermediate_size=320, n_experts=4, top_k_experts=2, moe_intermediate_size=112)
+
+    def traced(model):
+        dec = model.model.decoder
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        h = dec.embed_tokens(torch.randint(0, 64, (B, T)))
+        pos = torch.arange(T).expand(B, T)
+        types = model.config.get_text_config().layer_types
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for layer, t in zip(dec.layers, types):
+                h = layer(h, position_embeddings=dec.rotary_emb(h, pos, t), attention_mask=None, position_ids=pos)
+        return sum(seen.values())
+    per_layer = (traced(gemma(2)) - traced(gemma(1))) / (B * T)
+    counted = plan.moe_layer(plan.dims(gemma(1).config), bf16=False, flex=False)
+    assert counted == pytest.approx(per_layer, rel=0.05), (per_layer, counted)
+
+
+def run_plan(tmp_path, *args, script='ar.py'):
+    r = subprocess.run([sys.executable, script, *args, f'--out_dir={tmp_path}/out'], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, 'PYTHONWARNINGS': 'ignore'})
+    return r.returncode, r.stdout, r.stderr
+
+
+def config_only(tmp_path, **kw):
+    """A checkpoint directory with a config.json and no weights."""
+    cfg = transformers.Qwen3Config(vocab_size=1000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
+                                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, **kw)
+    d = tmp_path / 'ckpt'
+    cfg.save_pretrained(d)
+    return d, cfg
+
+
+def test_plan_reads_only_the_config(tmp_path):
+    """--plan on a directory with no weights: the parameter count is the real model's, and nothing else is read."""
+    d, cfg = config_only(tmp_path)
+    rc, out, err = run_plan(tmp_path, f'--init_from={d}', '--plan=1x80')
+    assert rc == 0, err
+    with torch.device('meta'):
+        n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters())
+    assert f'parameters {n:,}, trained {n:,}' in out
+    assert 'fits' in out and 'tokens per optimizer step' in out
+
+
+def gib(out, name):
+    return float(re.search(rf'^  {name} +([\d.]+) GiB', out, re.M)[1])
+
+
+def test_plan_fsdp_shards_and_checkpointing_shrinks(tmp_path):
+    """FSDP2 on 8 GPUs holds 1/8 of the weights, grads and AdamW state and adds the gathered blocks; activation
+    checkpointing cuts the activations; a budget too small exits 1."""
+    d, _ = config_only(tmp_path)
+    common = [f'--init_from={d}', '--batch_size=8', '--max_seq_len=1024']
+    _, one, _ = run_plan(tmp_path, *common, '--plan=1x80')
+    rc, eight, _ = run_plan(tmp_path, *common, '--fsdp=True', '--plan=8x80')
+    assert rc == 0
+    for name in ('weights', 'gradients', 'AdamW state'):
+        assert gib(eight, name) == pytest.approx(gib(one, name) / 8, abs=0.01)
+    assert 'FSDP2 gathered' in eight and 'FSDP2 gathered' not in one
+    _, ck, _ = run_plan(tmp_path, *common, '--activation_checkpointing=True', '--plan=1x80')
+    assert gib(ck, 'activations') < gib(one, 'activations') / 3
+    rc, small, _ = run_plan(tmp_path, *common, '--plan=1x1')
+    assert rc == 1 and 'does NOT fit' in small
+
+
+def test_plan_bad_input_is_one_line(tmp_path):
+    rc, _, err = run_plan(tmp_path, '--plan=eight')
+    assert rc == 2 and err.strip().splitlines() == ["error: --plan=eight: expected <GPUs>x<GiB>, e.g. --plan=8x80"]
+    rc, _, err = run_plan(tmp_path, f'--init_from={tmp_path}/nowhere', '--plan')
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith('error: --plan:')
+
+
+@pytest.mark.slow
+def test_plan_matches_measured_peak():
+    """The whole plan against a real run: llada's embedded model on raw-text rows, planned vs peak RSS above
+    baseline within 20 % (bench.py --only=plan; docs/benchmarks.md has every family at two sizes)."""
+    r = subprocess.run([sys.executable, 'bench.py', '--only=plan', '--variants=llada@tiny'], cwd=ROOT,
+                       capture_output=True, text=True)
+    row = re.search(r'^\| llada \| tiny \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \|', r.stdout, re.M)
+    assert row, r.stdout + r.stderr
+    assert r.returncode == 0 and 0.8 <= float(row[3]) <= 1.2, row[0]

@@ -1,7 +1,6 @@
 """plan.py, the memory planner: its per-layer activation counts against what autograd really saves (a saved-tensor
 trace of transformers' layers), and --plan end to end on a checkpoint directory that holds only a config.json (no
 weights to read). bench.py --only=plan checks the whole plan against measured peak RSS (a tiny run here)."""
-import json
 import os
 import re
 import subprocess

@@ -45,19 +45,20 @@ def dims(cfg):
     """The shapes the plan needs from a transformers config (text config for multimodal ones; LLaDA's remote-code
     names too)."""
     t = cfg.get_text_config() if hasattr(cfg, 'get_text_config') else cfg
-    g = lambda *names, default=None: next((getattr(t, n) for n in names if getattr(t, n, None) is not None), default)
+    raw = t.to_dict()  # the stored values (per-layer configs refuse some global attributes)
+    g = lambda *names, default=None: next((raw[n] for n in names if raw.get(n) is not None), default)
     d = g('hidden_size', 'd_model')
     h = g('num_attention_heads', 'n_heads')
     hd = g('head_dim', default=d // h)
     kvh = g('num_key_value_heads', 'n_kv_heads', default=h)
     f = g('intermediate_size', 'mlp_hidden_size', default=4 * d)
-    if getattr(t, 'model_type', '') == 'llada' and g('mlp_hidden_size'):
+    if g('model_type') == 'llada' and g('mlp_hidden_size'):
         f = g('mlp_hidden_size') // 2  # LLaDA's mlp_hidden_size counts the fused gate and up projections
     return dict(d=d, h=h, hd=hd, kvh=kvh, f=f, L=g('num_hidden_layers', 'n_layers'), V=g('vocab_size'),
                 E=g('num_experts', default=0) or 0, k=g('top_k_experts', 'num_experts_per_tok', default=0) or 0,
-                fm=g('moe_intermediate_size', default=0) or 0, qk_norm=getattr(t, 'model_type', '') in (
+                fm=g('moe_intermediate_size', default=0) or 0, qk_norm=g('model_type', default='') in (
                     'qwen3', 'qwen3_moe', 'diffusion_gemma_text', 'gemma3_text', 'gemma4_text'),
-                softcap=float(getattr(t, 'final_logit_softcapping', None) or 0.0))
+                softcap=float(g('final_logit_softcapping', default=0.0) or 0.0))
 
 
 def dense_layer(m, *, bf16, flex, kv_tokens=0):

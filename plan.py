@@ -51,9 +51,7 @@ def dims(cfg):
     h = g('num_attention_heads', 'n_heads')
     hd = g('head_dim', default=d // h)
     kvh = g('num_key_value_heads', 'n_kv_heads', default=h)
-    f = g('intermediate_size', 'mlp_hidden_size', default=4 * d)
-    if g('model_type') == 'llada' and g('mlp_hidden_size'):
-        f = g('mlp_hidden_size') // 2  # LLaDA's mlp_hidden_size counts the fused gate and up projections
+    f = g('intermediate_size', 'mlp_hidden_size', default=4 * d)  # LLaDA: gate and up are each mlp_hidden_size
     return dict(d=d, h=h, hd=hd, kvh=kvh, f=f, L=g('num_hidden_layers', 'n_layers'), V=g('vocab_size'),
                 E=g('num_experts', default=0) or 0, k=g('top_k_experts', 'num_experts_per_tok', default=0) or 0,
                 fm=g('moe_intermediate_size', default=0) or 0, qk_norm=g('model_type', default='') in (

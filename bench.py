@@ -949,8 +949,9 @@ def idlm_need_mib(variant, args):
 # there (it has no CPU backward). Each check runs in its own subprocess: its own peak memory, compile caches and
 # process group. A check passes when it returns ok; a check that raises is a FAIL row with the exception.
 
+GPU_FAMILIES = ('llada', 'scdd', 'hybrid', 'gemma_bd', 'ar', 'idlm', 'dflash')
 GPU_CHECKS = ['flex', 'bf16', 'compile', 'fsdp', 'fsdp_checkpointed', 'mfu'] + \
-    [f'train_{f}' for f in ('llada', 'scdd', 'hybrid', 'gemma_bd', 'ar', 'idlm', 'dflash')]
+    [f'train_{f}' for f in GPU_FAMILIES] + [f'speed_{f}' for f in GPU_FAMILIES]
 # max |a - b| / max |b|: fp32 kernels that only sum in another order; bf16 (8-bit mantissa) vs fp32
 GPU_TOL = {'fp32': 1e-3, 'bf16': 2e-2}
 
@@ -1279,9 +1280,98 @@ def gpu_family(args, family):
                               f"{FAMILY_TOL['fp32']:.0e}, bf16 {FAMILY_TOL['bf16']:.0e}"}
 
 
+# one throughput row per family: the family script itself at ~0.5B parameters (36 x 1024, GQA 16/8, MLP 3072, byte
+# vocabulary), rows of T=2048, bf16, flex, compiled, on one GPU: tokens/s of its logged steps after two warm-up steps,
+# MFU, and the CUDA peak next to plan.py's prediction for the same command. On CPU (--toy) a 2-layer model, T=64.
+SPEED_RUN = {'full': ['--n_layer=36', '--n_head=16', '--n_kv_head=8', '--n_embd=1024', '--intermediate_size=3072',
+                      '--max_seq_len=2048', '--batch_size=4', '--max_iters=6', '--compile=True'],
+             'toy': FAMILY_RUN[:5] + ['--max_seq_len=64', '--batch_size=4', '--max_iters=4']}
+SPEED_ARGS = {'gemma_bd': ['--n_experts=4', '--moe_intermediate_size=1024'], 'dflash': ['--num_blocks_per_sample=64'],
+              'scdd': ['--uniform_warmup=0']}
+
+
+def _speed_data(tmp, T):
+    """Raw text rows of T tokens (the docs, byte tokenizer), and chat examples of about T tokens for the families
+    that take chat only (idlm, dflash): a docs chunk's first eighth as the prompt, the rest as the answer."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    docs = [os.path.join(here, 'docs', f) for f in sorted(os.listdir(os.path.join(here, 'docs'))) if f.endswith('.md')]
+    subprocess.run([sys.executable, 'data/prepare.py', '--text=' + ','.join(docs), '--tokenizer=byte',
+                    '--val_fraction=0.1', f'--out_dir={tmp}/text'], cwd=here, check=True, capture_output=True)
+    text = ''.join(open(f, encoding='utf-8').read() for f in docs)
+    n = T - 16  # room for the chat template's few tokens
+    rows = [text[i:i + n] for i in range(0, len(text) - n, n)]
+    os.makedirs(f'{tmp}/chat', exist_ok=True)
+    from data.synthetic import write_jsonl
+    for split, part in (('train', rows[:-4]), ('val', rows[-4:])):
+        write_jsonl([{'messages': [{'role': 'user', 'content': r[:n // 8]}, {'role': 'assistant', 'content': r[n // 8:]}]}
+                     for r in part], f'{tmp}/chat/{split}.jsonl')
+    subprocess.run([sys.executable, 'data/prepare.py', f'--input_dir={tmp}/chat', '--tokenizer=byte',
+                    f'--max_seq_len={T}'], cwd=here, check=True, capture_output=True)
+    return f'{tmp}/text', f'{tmp}/chat'
+
+
+def gpu_speed(args, family):
+    """The family script's tokens/s, MFU and peak memory (see SPEED_RUN), and plan.py's peak for the same run."""
+    import re
+    import statistics
+    import tempfile
+    device, toy, _, _, _ = gpu_setup(args)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')}
+    env['PYTHONWARNINGS'] = 'ignore'
+    size = SPEED_RUN['toy' if toy else 'full']
+    T = int(next(a for a in size if a.startswith('--max_seq_len')).split('=')[1])
+    common = ['--log_interval=1', '--eval_interval=0', '--eval_iters=0', '--eval_samples=0', f'--device={device}',
+              '--overwrite=True']
+    with tempfile.TemporaryDirectory() as tmp:
+        text, chat = _speed_data(tmp, T)
+        run = [f'{family}.py', *size, *SPEED_ARGS.get(family, []), *common, f'--out_dir={tmp}/run',
+               f'--data_dir={chat if family in ("idlm", "dflash") else text}']
+        if family in ('idlm', 'dflash'):  # converted from / drafting for an AR model of the same size (1 step)
+            subprocess.run([sys.executable, 'ar.py', *[a for a in size if not a.startswith(('--max_iters', '--compile'))],
+                            *common,
+                            '--max_iters=1', f'--data_dir={text}', f'--out_dir={tmp}/ar'], cwd=here, check=True,
+                           capture_output=True, env=env)
+            run += [f'--init_from={tmp}/ar'] if family == 'idlm' else \
+                [f'--target={tmp}/ar', '--n_layer=2', '--target_layer_ids=' + ('0,1' if toy else '1,17,33')]
+        gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if device == 'cuda' else 1000
+        p = subprocess.run([sys.executable, *run, f'--plan=1x{gib:.0f}'], cwd=here, capture_output=True, text=True,
+                           env=env)
+        planned = re.search(r'peak .*\(([\d,]+) MiB\)', p.stdout)
+        params = re.search(r'parameters ([\d,]+), trained ([\d,]+)(?:, frozen target ([\d,]+))?', p.stdout)
+        # the run itself, reporting the CUDA allocator's peak at exit
+        code = ("import atexit, runpy, sys, torch; atexit.register(lambda: print('cuda_peak_mib', "
+                "torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0)); "
+                f"sys.argv = {run!r}; runpy.run_path({run[0]!r}, run_name='__main__')")
+        r = subprocess.run([sys.executable, '-c', code], cwd=here, capture_output=True, text=True, env=env, timeout=1200)
+    if r.returncode:
+        return {'ok': False, 'info': 'failed: ' + (r.stderr.strip().splitlines() or ['?'])[-1]}
+    tok = [float(m[2].replace(',', '')) for m in re.finditer(r'^step (\d+) .*\| tok/s ([\d,]+)', r.stdout, re.M)
+           if int(m[1]) > 2]  # after two warm-up steps (compile, allocator)
+    peak = float(re.search(r'cuda_peak_mib (\S+)', r.stdout)[1])
+    tok_s = statistics.median(tok) if tok else 0.0
+    n_train = int(params[2].replace(',', '')) if params else 0
+    n_target = int(params[3].replace(',', '')) if params and params[3] else 0
+    # MFU = model flops / peak: 6 N per trained token (forward + backward); dflash: the target's forward (2 N_t per
+    # logged target token) plus the draft's 6 N_d per block token. Attention flops are not counted.
+    if family == 'dflash':
+        blocks = int(next(a for a in SPEED_ARGS['dflash'] if 'num_blocks' in a).split('=')[1]) * 16 // T
+        flops = tok_s * (2 * n_target + 6 * n_train * max(blocks, 1))
+    else:
+        flops = 6 * n_train * tok_s
+    mfu = f"MFU {100 * flops / (args.peak_tflops * 1e12):.1f}%" if device == 'cuda' else 'MFU n/a on CPU'
+    plan_mib = float(planned[1].replace(',', '')) if planned else float('nan')
+    mem = (f"peak {peak / 1024:.1f} GiB, planned {plan_mib / 1024:.1f} GiB ({plan_mib / max(peak, 1e-9):.2f}x)"
+           if device == 'cuda' else f"planned {plan_mib / 1024:.2f} GiB")
+    return {'ok': bool(tok) and bool(planned), 'tok_s': tok_s, 'peak_mib': peak, 'planned_mib': plan_mib,
+            'info': f"{n_train / 1e6:,.2f}M trained, T={T}: {tok_s:,.0f} tok/s (logged tokens), {mfu}, {mem}"}
+
+
 def gpu_child(check, args):
     if check.startswith('train_'):
         return gpu_family(args, check[len('train_'):])
+    if check.startswith('speed_'):
+        return gpu_speed(args, check[len('speed_'):])
     return {'flex': gpu_flex, 'bf16': gpu_bf16, 'compile': gpu_compile, 'fsdp': gpu_fsdp,
             'fsdp_checkpointed': lambda a: gpu_fsdp(a, checkpointed=True), 'mfu': gpu_mfu}[check](args)
 

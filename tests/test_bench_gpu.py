@@ -4,13 +4,14 @@ pass, and the report prints one ok row per check. The checks run in this process
 The per-family training checks (train_<family>: the family script's first 3 steps on every path vs its
 SDPA/fp32/eager reference) run family scripts, ~20 s each on CPU: one family here, hybrid (its explicit
 [x_t | x_0] mask is what the eager path got wrong before hf.attention_mask gave eager an additive mask), plus a
-planted variant that changes the run (a smaller learning rate), which must FAIL.
+planted variant that changes the run (a smaller learning rate), which must FAIL. Of the per-family throughput rows
+(speed_<family>: the family script at ~0.5B on a GPU) one runs here at toy size: dflash.
 Run: python -m pytest -q tests/test_bench_gpu.py"""
 import pytest
 
 import bench
 
-CHECKS = [c for c in bench.GPU_CHECKS if not c.startswith('train_')]
+CHECKS = [c for c in bench.GPU_CHECKS if not c.startswith(('train_', 'speed_'))]
 
 
 @pytest.mark.slow  # compiles: ~10 s
@@ -31,6 +32,16 @@ def test_every_family_has_a_training_check():
     scripts = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(os.path.dirname(bench.__file__), '*.py'))
                if 'FAMILY = ' in open(p).read()}
     assert {f'train_{s}' for s in scripts} <= set(bench.GPU_CHECKS) and set(bench.FAMILY_ARGS) == scripts
+    assert {f'speed_{s}' for s in scripts} <= set(bench.GPU_CHECKS)
+
+
+@pytest.mark.slow  # an AR run, then the dflash script: ~20 s
+def test_speed_row_runs_the_family_script_and_its_plan():
+    """speed_dflash (the most involved row: long chat data, a frozen AR target, the target + draft flops): the
+    script logs steps past the warm-up and its --plan parses, so the row reports tokens/s and a planned peak."""
+    r = bench.gpu_child('speed_dflash', bench.parse_args(['--only=gpu', '--toy']))
+    assert r['ok'] and r['tok_s'] > 0 and r['planned_mib'] > 0, r
+    assert 'trained' in r['info'] and 'planned' in r['info'], r
 
 
 @pytest.mark.slow  # 5 runs of hybrid.py: ~40 s

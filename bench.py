@@ -951,7 +951,8 @@ def idlm_need_mib(variant, args):
 
 GPU_FAMILIES = ('llada', 'scdd', 'hybrid', 'gemma_bd', 'ar', 'idlm', 'dflash')
 GPU_CHECKS = ['flex', 'bf16', 'compile', 'fsdp', 'fsdp_checkpointed', 'mfu'] + \
-    [f'train_{f}' for f in GPU_FAMILIES] + [f'speed_{f}' for f in GPU_FAMILIES]
+    [f'train_{f}' for f in GPU_FAMILIES] + [f'speed_{f}' for f in GPU_FAMILIES] + \
+    [f'decode_{s}' for s in ('ar', 'llada', 'llada2', 'scdd', 'nemotron', 'gemma', 'idlm', 'dflash')]
 # max |a - b| / max |b|: fp32 kernels that only sum in another order; bf16 (8-bit mantissa) vs fp32
 GPU_TOL = {'fp32': 1e-3, 'bf16': 2e-2}
 
@@ -1367,7 +1368,121 @@ def gpu_speed(args, family):
             'info': f"{n_train / 1e6:,.2f}M trained, T={T}: {tok_s:,.0f} tok/s (logged tokens), {mfu}, {mem}"}
 
 
+# one decode per sampler on the device, fp32, tiny random models with sharpened logits (a random model's softmax is
+# nearly flat: ties would flip on rounding), against the decode its exactness claim names (tests/test_sample*.py
+# make the same claims on CPU):
+#   ar        KV cache == no cache                    llada   prefix / dual cache == none, one step per block (exact)
+#   nemotron  exact KV cache == uncached              idlm    ISD (cached, strided) == uncached greedy AR
+#   dflash    speculative (cached) == the target's uncached greedy AR (lossless)
+#   gemma     ours (encoder KV cache) == transformers' DiffusionGemma generate(), one prompt, the same seed
+#   llada2, scdd (no cache): the padded batch == each prompt alone (scdd at its posterior's mode)
+DECODE_PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
+
+
+class _Sharp(torch.nn.Module):
+    """A model whose logits are scaled (confidences away from ties and thresholds); everything else passes through."""
+
+    def __init__(self, m, scale=30.0):
+        super().__init__()
+        self.m, self.scale, self.config = m, scale, m.config
+
+    def forward(self, *a, **kw):
+        out = self.m(*a, **kw)
+        out.logits = out.logits * self.scale
+        return out
+
+    def get_decoder(self):
+        return self.m.get_decoder()
+
+    def get_input_embeddings(self):
+        return self.m.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.m.get_output_embeddings()
+
+
+def gpu_decode(args, name):
+    try:
+        return _gpu_decode(args, name)
+    except RuntimeError as e:  # a cache of the wrong shape, say: the check fails, it does not crash the report
+        return {'ok': False, 'info': f"raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+
+
+def _gpu_decode(args, name):
+    import sample
+    device, _, _, _, _ = gpu_setup(args)
+    V, PAD, EOS, MASK = 64, 60, 61, 62
+    torch.manual_seed(0)
+
+    def tiny(causal, n_layer=2):
+        return hf.build_model('scratch', vocab_size=V, n_layer=n_layer, n_head=4, n_kv_head=2, n_embd=64,
+                              intermediate_size=128, max_seq_len=128, bidirectional=not causal).to(device).eval()
+
+    def gen(model, prompts, sampler, **kw):
+        return sample.generate(model, prompts, sampler=sampler, pad_id=PAD, eos_id=EOS, mask_id=MASK, **kw)
+    P = DECODE_PROMPTS
+    if name == 'ar':
+        m = tiny(True)
+        ref, got = gen(m, P, 'ar', gen_length=16, use_cache=False), gen(m, P, 'ar', gen_length=16, use_cache=True)
+        what = 'KV cache vs none'
+    elif name == 'llada':
+        m = _Sharp(tiny(False))
+        kw = dict(gen_length=12, block_length=4, steps=3)
+        ref = gen(m, P, 'llada', cache='none', **kw)
+        got = gen(m, P, 'llada', cache='prefix', **kw) + gen(m, P, 'llada', cache='dual', **kw)
+        ref, what = ref + ref, 'prefix and dual cache vs none (one step per block)'
+    elif name == 'nemotron':
+        m = _Sharp(tiny(True), 5.0)
+        kw = dict(gen_length=16, block_length=4, steps_per_block=4, threshold=0.9)
+        ref, got = gen(m, P, 'nemotron', cache='none', **kw), gen(m, P, 'nemotron', cache='prefix', **kw)
+        what = 'exact KV cache vs uncached'
+    elif name == 'idlm':
+        m = tiny(True)
+        ref = gen(m, P, 'ar', gen_length=16, use_cache=False)
+        got = gen(m, P, 'idlm', gen_length=16, block_length=3)
+        what = 'ISD vs uncached greedy AR'
+    elif name == 'dflash':
+        import dflash
+        target = tiny(True, n_layer=3)
+        draft = dflash.build_draft(target.config, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=64,
+                                   block_size=4, mask_id=MASK, target_layer_ids=[1, 2]).to(device).eval()
+        ref = gen(target, P, 'ar', gen_length=16, use_cache=False)
+        got = gen(sample.Speculative(target, draft), P, 'dflash', gen_length=16)
+        what = "speculative vs the target's uncached greedy AR"
+    elif name == 'gemma':
+        m = hf.build_diffusion_gemma('scratch', vocab_size=V, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                                     intermediate_size=48, n_experts=4, top_k_experts=2, moe_intermediate_size=16,
+                                     sliding_window=3, canvas_length=4).to(device).eval()
+        x = torch.tensor([[5, 6, 7, 8, 9]], device=device)
+        ref, got = [], []
+        for seed in range(3):
+            g = torch.Generator(device=device).manual_seed(seed)
+            got.append(sample.sample_gemma(m, x, gen_length=12, block_length=4, steps_per_block=10, early_stop=False,
+                                           eos_id=EOS, generator=g)[0, 5:].tolist())
+            torch.manual_seed(seed)
+            ref.append(m.generate(x, max_new_tokens=12, max_denoising_steps=10, eos_token_id=[],
+                                  pad_token_id=PAD).sequences[0, 5:].tolist())
+        what = "ours vs transformers' generate(), 3 seeds"
+    else:  # llada2, scdd: no cache; the padded batch vs one prompt at a time
+        m = _Sharp(tiny(False))
+        kw = dict(gen_length=8, steps_per_block=4, block_length=4) if name == 'llada2' else dict(gen_length=8, steps=8)
+        draw = sample.kernels.sample_categorical
+        if name == 'scdd':  # its ancestral step draws at any temperature: the posterior's mode makes it deterministic
+            sample.kernels.sample_categorical = lambda probs, generator=None: probs.argmax(-1)
+        try:
+            got = gen(m, P, name, **kw)
+            ref = [gen(m, [p], name, **kw)[0] for p in P]
+        finally:
+            sample.kernels.sample_categorical = draw
+        what = 'the padded batch vs one prompt at a time'
+    same = sum(a == b for a, b in zip(got, ref))
+    return {'ok': same == len(ref) and len(got) == len(ref),
+            'info': f"{what}: {same} of {len(ref)} rows identical, {sum(map(len, got))} tokens"}
+
+
 def gpu_child(check, args):
+    if check.startswith('decode_'):
+        return gpu_decode(args, check[len('decode_'):])
     if check.startswith('train_'):
         return gpu_family(args, check[len('train_'):])
     if check.startswith('speed_'):

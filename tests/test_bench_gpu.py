@@ -5,7 +5,9 @@ The per-family training checks (train_<family>: the family script's first 3 step
 SDPA/fp32/eager reference) run family scripts, ~20 s each on CPU: one family here, hybrid (its explicit
 [x_t | x_0] mask is what the eager path got wrong before hf.attention_mask gave eager an additive mask), plus a
 planted variant that changes the run (a smaller learning rate), which must FAIL. Of the per-family throughput rows
-(speed_<family>: the family script at ~0.5B on a GPU) one runs here at toy size: dflash.
+(speed_<family>: the family script at ~0.5B on a GPU) one runs here at toy size: dflash. The per-sampler decode
+checks (decode_<sampler>: cached vs uncached, or batched vs one by one) run with the others, and a stale cache must
+fail decode_nemotron.
 Run: python -m pytest -q tests/test_bench_gpu.py"""
 import pytest
 
@@ -33,6 +35,18 @@ def test_every_family_has_a_training_check():
                if 'FAMILY = ' in open(p).read()}
     assert {f'train_{s}' for s in scripts} <= set(bench.GPU_CHECKS) and set(bench.FAMILY_ARGS) == scripts
     assert {f'speed_{s}' for s in scripts} <= set(bench.GPU_CHECKS)
+
+
+def test_decode_check_fails_a_stale_cache(monkeypatch):
+    """decode_nemotron compares the exact KV cache with uncached decoding: a cache that is never cropped (stale keys of
+    the previous denoising step) must FAIL it (wrong tokens, or keys of the wrong length), while the real cache
+    passes."""
+    import hf
+    args = bench.parse_args(['--only=gpu', '--toy'])
+    assert bench.gpu_child('decode_nemotron', args)['ok']
+    monkeypatch.setattr(hf, 'crop', lambda cache, n: None)
+    r = bench.gpu_child('decode_nemotron', args)
+    assert not r['ok'], r
 
 
 @pytest.mark.slow  # an AR run, then the dflash script: ~20 s

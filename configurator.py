@@ -189,7 +189,8 @@ def help_text(g, script=None):
     width = max((len(r[0]) for r in rows), default=0)
     name = os.path.basename(script) if script else 'script.py'
     lines = [f"usage: python {name} [config/<file>.py ...] [--key=value ...]",
-             "override files (trusted Python, exec'd) and --key=value apply left to right; keys and defaults:"]
+             "override files (trusted Python, exec'd) and --key=value apply left to right; --plan[=<GPUs>x<GiB>] "
+             "prints the run's memory plan per GPU and exits (plan.py); keys and defaults:"]
     lines += [f"  {arg:<{width}}  {typ:<5}  {comment}".rstrip() for arg, typ, comment in rows]
     return '\n'.join(lines)
 

@@ -223,7 +223,7 @@ def plan(family, c, world=1, gpu_gib=80.0, device='cuda'):
     ce_rows = rows * tok
     chunk = min(max(1, (1 << 25) // max(V, 1)), 4096)
     chunk = 1 << (max(64, chunk).bit_length() - 1)
-    n_ce = 2 if family in ('hybrid', 'gemma_bd') else 1  # two losses, two chunked CE calls
+    n_ce = 2 if family in ('hybrid', 'gemma_bd', 'idlm') else 1  # two losses, two chunked CE calls
     ce = n_ce * V * d * FLOAT * (family != 'dflash') + 2 * ce_rows * d * FLOAT + chunk * V * FLOAT * (
         2 if m['softcap'] else 1)
     if family == 'gemma_bd':  # the self-conditioning pass: (B, R, V) fp32 logits and their softmax, no grad

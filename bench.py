@@ -1523,22 +1523,26 @@ PLAN_SIZES = {'tiny': ['--max_seq_len=64'],  # each family's embedded model and 
               '100m': ['--n_layer=12', '--n_embd=768', '--n_head=12', '--n_kv_head=12', '--intermediate_size=2048',
                        '--max_seq_len=256', '--batch_size=4', '--moe_intermediate_size=384']}
 PLAN_FAMILIES = ['llada', 'ar', 'scdd', 'hybrid', 'gemma_bd', 'idlm', 'dflash']
+PLAN_DEFAULT_MALLOC = True  # also measure the tiny runs under glibc's default malloc (the reference column)
 PLAN_VARIANTS = [f'{f}@{s}' for s in PLAN_SIZES for f in PLAN_FAMILIES]
 
 
-def _plan_setup(size):
+def _plan_setup(size, need_ar=True):
     """A raw-text dataset (the repo's docs, byte tokenizer) and, for idlm and dflash, an AR model of the size: a
     one-step ar.py run. Cached in out-bench-plan/."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.join(here, 'out-bench-plan')
     data = os.path.join(root, 'text')
+    corpus = os.path.join(root, 'corpus.txt')  # a snapshot of the docs: editing them does not stale the data
     if not os.path.isfile(os.path.join(data, 'meta.json')):
+        os.makedirs(root, exist_ok=True)
         docs = sorted(os.path.join(here, 'docs', f) for f in os.listdir(os.path.join(here, 'docs')) if f.endswith('.md'))
-        subprocess.run([sys.executable, 'data/prepare.py', '--text=' + ','.join(docs + [os.path.join(here, 'README.md')]),
-                        '--tokenizer=byte', '--val_fraction=0.1', f'--out_dir={data}'], cwd=here, check=True,
-                       capture_output=True)
+        with open(corpus, 'w', encoding='utf-8') as f:
+            f.write(''.join(open(d, encoding='utf-8').read() for d in docs + [os.path.join(here, 'README.md')]))
+        subprocess.run([sys.executable, 'data/prepare.py', f'--text={corpus}', '--tokenizer=byte',
+                        '--val_fraction=0.1', f'--out_dir={data}'], cwd=here, check=True, capture_output=True)
     ar = os.path.join(root, f'ar-{size}')
-    if not os.path.isdir(os.path.join(ar, 'hf')):
+    if need_ar and not os.path.isdir(os.path.join(ar, 'hf')):
         sizes = [a for a in PLAN_SIZES[size] if not a.startswith('--moe')]
         subprocess.run([sys.executable, 'ar.py', *sizes, f'--data_dir={data}', '--max_iters=1', '--eval_interval=0',
                         '--eval_samples=0', '--eval_iters=0', f'--out_dir={ar}', '--overwrite=True', '--device=cpu'],
@@ -1550,7 +1554,9 @@ def plan_child(variant, args):
     import re
     import tempfile
     family, size = variant.split('@')
-    here, data, ar = _plan_setup(size)
+    here, data, ar = _plan_setup(size, need_ar=family in ('idlm', 'dflash'))
+    if family in ('idlm', 'dflash'):
+        _plan_setup('tiny')  # the baseline process loads the tiny AR model (below)
     sizes = [a for a in PLAN_SIZES[size] if family == 'gemma_bd' or not a.startswith('--moe')]
     if family == 'dflash':  # a 2-layer draft reading the AR model's layers
         sizes = [a for a in sizes if not a.startswith('--n_layer')] + [f'--target={ar}', '--target_layer_ids=0,1']
@@ -1575,10 +1581,13 @@ def plan_child(variant, args):
 
         def max_rss(argv, die=''):
             out = os.path.join(tmp, 'rss')
-            subprocess.run(['/usr/bin/time', '-f', '%M', '-o', out, sys.executable, *argv], cwd=here,
-                           capture_output=True, env={**env, 'NANODLM_DIE_AT': die} if die else env)
+            p = subprocess.run(['/usr/bin/time', '-f', '%M', '-o', out, sys.executable, *argv], cwd=here,
+                               capture_output=True, text=True, env={**env, 'NANODLM_DIE_AT': die} if die else env)
             with open(out) as f:
-                return int(f.read().split()[-1]) / 1024  # KiB -> MiB (the last line: after any signal note)
+                text = f.read()
+            if ('signal 9' not in text) if die else p.returncode:  # the run must reach its kill (or exit cleanly)
+                raise RuntimeError(f"{argv[0]}: {(p.stderr.strip() or p.stdout.strip()).splitlines()[-1:]}")
+            return int(text.split()[-1]) / 1024  # KiB -> MiB (the last line: after any signal note)
         # the baseline builds a negligible model of the same kind: transformers imports its model code lazily
         # (~120 MiB of RSS, not a tensor the plan counts)
         tiny = ("hf.build_diffusion_gemma('scratch', vocab_size=264, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)"
@@ -1588,7 +1597,7 @@ def plan_child(variant, args):
                 "hf.build_model('scratch', vocab_size=264, n_layer=1, n_head=2, n_kv_head=2, n_embd=16)")
         imports = ['-c', f'import {family}, sample, skeleton, data.loader, hf; {tiny}']
         out = {'planned_mib': planned, 'plan': r.stdout.strip()}
-        if size == 'tiny':  # glibc's default: its mmap threshold grows, freed blocks stay in the heap
+        if size == 'tiny' and PLAN_DEFAULT_MALLOC:  # glibc's default: its mmap threshold grows, freed blocks stay
             out['default_malloc_mib'] = max_rss(run, die='step:3') - max_rss(imports)
         env['MALLOC_MMAP_THRESHOLD_'] = '131072'  # fixed: every large tensor is its own mapping, returned when freed
         out['measured_mib'] = max_rss(run, die='step:3') - max_rss(imports)

@@ -1287,7 +1287,8 @@ def gpu_family(args, family):
 SPEED_RUN = {'full': ['--n_layer=36', '--n_head=16', '--n_kv_head=8', '--n_embd=1024', '--intermediate_size=3072',
                       '--max_seq_len=2048', '--batch_size=4', '--max_iters=6', '--compile=True'],
              'toy': FAMILY_RUN[:5] + ['--max_seq_len=64', '--batch_size=4', '--max_iters=4']}
-SPEED_ARGS = {'gemma_bd': ['--n_experts=4', '--moe_intermediate_size=1024'], 'dflash': ['--num_blocks_per_sample=64'],
+SPEED_ARGS = {'gemma_bd': ['--n_experts=4', '--moe_intermediate_size=1024'],
+              'dflash': ['--num_blocks_per_sample=64', '--block_size=8'],
               'scdd': ['--uniform_warmup=0']}
 
 
@@ -1355,9 +1356,9 @@ def gpu_speed(args, family):
     n_target = int(params[3].replace(',', '')) if params and params[3] else 0
     # MFU = model flops / peak: 6 N per trained token (forward + backward); dflash: the target's forward (2 N_t per
     # logged target token) plus the draft's 6 N_d per block token. Attention flops are not counted.
-    if family == 'dflash':
-        blocks = int(next(a for a in SPEED_ARGS['dflash'] if 'num_blocks' in a).split('=')[1]) * 16 // T
-        flops = tok_s * (2 * n_target + 6 * n_train * max(blocks, 1))
+    if family == 'dflash':  # draft tokens per target token: blocks x block size / T
+        arg = lambda k: int(next(a for a in SPEED_ARGS['dflash'] if a.startswith(f'--{k}=')).split('=')[1])
+        flops = tok_s * (2 * n_target + 6 * n_train * arg('num_blocks_per_sample') * arg('block_size') / T)
     else:
         flops = 6 * n_train * tok_s
     mfu = f"MFU {100 * flops / (args.peak_tflops * 1e12):.1f}%" if device == 'cuda' else 'MFU n/a on CPU'
@@ -1585,7 +1586,8 @@ def plan_child(variant, args):
                                capture_output=True, text=True, env={**env, 'NANODLM_DIE_AT': die} if die else env)
             with open(out) as f:
                 text = f.read()
-            if ('signal 9' not in text) if die else p.returncode:  # the run must reach its kill (or exit cleanly)
+            failed = 'signal 9' not in text if die else p.returncode != 0  # it must reach its kill, or exit cleanly
+            if failed:
                 raise RuntimeError(f"{argv[0]}: {(p.stderr.strip() or p.stdout.strip()).splitlines()[-1:]}")
             return int(text.split()[-1]) / 1024  # KiB -> MiB (the last line: after any signal note)
         # the baseline builds a negligible model of the same kind: transformers imports its model code lazily

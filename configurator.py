@@ -214,17 +214,17 @@ def configure(g, argv=None, script=None, sources=None):
         except BrokenPipeError:  # the reader left early; keep Python's exit-time flush from raising it again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
-    plan = [a for a in argv if a == '--plan' or a.startswith('--plan=')]  # plan.py: the memory plan, then exit
-    argv = [a for a in argv if a not in plan]
+    plan_args = [a for a in argv if a == '--plan' or a.startswith('--plan=')]  # plan.py: the memory plan, then exit
+    argv = [a for a in argv if a not in plan_args]
     sources = {} if sources is None else sources
     try:
         config = apply_overrides(g, argv, sources)
     except ConfigError as e:
         usage_error(e)
     g.update(config)
-    if plan:
-        import plan as planner
-        planner.main(g.get('FAMILY', ''), config, plan[-1].partition('=')[2])
+    if plan_args:  # before the scripts' own settings checks: a plan is also how to find settings that fit
+        import plan
+        plan.main(g.get('FAMILY', ''), config, plan_args[-1].partition('=')[2])
     if int(os.environ.get('RANK', 0)) == 0:  # under torchrun only rank 0 talks
         for key, where in sources.items():
             print(f"config: {key} = {config[key]!r}  ({where})")

@@ -11,7 +11,9 @@ plan counts, per GPU:
   - weights: fp32 master weights (the frozen dflash target in the run's dtype), / world size under FSDP2;
   - grads and AdamW state (exp_avg, exp_avg_sq) of the trained parameters only (LoRA: the adapters), / world under
     FSDP2; plus the optimizer step's temporaries (foreach AdamW on CPU; CUDA's fused AdamW has none);
-  - FSDP2's gathered blocks: the largest unit whole, twice (the one computing and the one prefetched);
+  - FSDP2's gathered weights: the largest block whole, twice (the one computing and the one prefetched), and the
+    root (embeddings, LM head, final norm), which stays gathered; without FSDP2 on several GPUs, DDP's gradient
+    buckets (a second copy of the gradients);
   - bf16 autocast's weight copies: autocast casts every fp32 weight the grad-tracked forward uses and autograd keeps
     the copy for backward (with activation checkpointing only the recomputed block's);
   - activations: what autograd saves for backward, per token and layer (dense_layer / moe_layer below: counted from
@@ -23,7 +25,8 @@ plan counts, per GPU:
   - the dense attention mask (SDPA and eager; a flex BlockMask is negligible), and the first block's backward
     transients (the gradients of its widest intermediates) on top of all of that;
   - the chunked cross-entropy's buffers (kernels.chunked_cross_entropy: the (V, d) fp32 weight gradient, the
-    supervised rows' hidden states and their gradient, one (chunk, V) fp32 logits block).
+    supervised rows' hidden states and their gradient, one (chunk, V) fp32 logits block; scdd's full-vocabulary
+    sums, kernels.chunked_logits_sum, are counted the same way), and gemma_bd's self-conditioning logits.
 The peak is the weights and optimizer state plus the larger of the end of the forward (activations, loss buffers,
 the gradients of earlier micro-steps) and the optimizer step (gradients and temporaries). T is the longest row a
 batch can hold: max_seq_len, or the prepared data's longest example when shorter (raw text fills every row).
@@ -49,7 +52,7 @@ def dims(cfg):
     g = lambda *names, default=None: next((raw[n] for n in names if raw.get(n) is not None), default)
     d = g('hidden_size', 'd_model')
     h = g('num_attention_heads', 'n_heads')
-    hd = g('head_dim', default=d // h)
+    hd = g('head_dim') or d // h
     kvh = g('num_key_value_heads', 'n_kv_heads', default=h)
     f = g('intermediate_size', 'mlp_hidden_size', default=4 * d)  # LLaDA: gate and up are each mlp_hidden_size
     return dict(d=d, h=h, hd=hd, kvh=kvh, f=f, L=g('num_hidden_layers', 'n_layers'), V=g('vocab_size'),
@@ -76,8 +79,10 @@ def dense_layer(m, *, bf16, flex, kv_tokens=0):
     qk = ((4 + a) if bf16 else 8) * (q + kv) if m['qk_norm'] else 0
     attn = a * (q + 2 * attn_kv + q) + 4 * h
     mlp = 4 * a * f
-    ctx = kv_tokens * (a * d + qk * kv / max(q + kv, 1) + 2 * a * attn_kv)  # k/v path of the extra keys
-    return norms + qk + attn + mlp + 4 * (2 + h + kvh) + ctx
+    k_norm = ((4 + a) if bf16 else 8) * kv if m['qk_norm'] else 0  # the k half of qk, per key
+    ctx = kv_tokens * (a * d + k_norm + 2 * a * attn_kv)  # the extra keys' path: k/v input, k-norm, k and v
+    scalars = 4 * (2 + h + kvh)  # fp32 per token: the two norms' rsqrt, q/k-norm's rsqrt per head (SDPA's lse is in attn)
+    return norms + qk + attn + mlp + scalars + ctx
 
 
 def moe_layer(m, *, bf16, flex):
@@ -99,17 +104,19 @@ def build_on_meta(family, c, vocab):
     import transformers
     import hf
 
-    def config_dir(path):  # an out_dir (ckpt + hf/) or an HF dir
-        return os.path.join(path, 'hf') if os.path.isfile(os.path.join(path, 'hf', 'config.json')) else path
+    def config_dir(path):
+        """An out_dir (its hf/ export), a LoRA adapter export (its base model) or an HF dir -> the dir of config.json."""
+        path = os.path.join(path, 'hf') if os.path.isdir(os.path.join(path, 'hf')) else path
+        return hf.adapter_base(path) or path
 
-    def from_dir(path, bidirectional=None):
+    def from_dir(path, bidirectional=False):
         cfg = transformers.AutoConfig.from_pretrained(config_dir(path), trust_remote_code=c.get('trust_remote_code',
                                                                                                   False))
         if bidirectional:
             cfg.is_causal = False
-        cls = transformers.DiffusionGemmaForBlockDiffusion if family == 'gemma_bd' else \
-            transformers.AutoModelForCausalLM
-        return cls.from_config(cfg, trust_remote_code=c.get('trust_remote_code', False))
+        if family == 'gemma_bd':
+            return transformers.DiffusionGemmaForBlockDiffusion._from_config(cfg)
+        return transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=c.get('trust_remote_code', False))
 
     init = c['out_dir'] if c.get('init_from') == 'resume' else c.get('init_from', 'scratch')
     with torch.device('meta'):
@@ -156,102 +163,104 @@ def lora_params(model, r, targets):
     head = model.get_output_embeddings() if hasattr(model, 'get_output_embeddings') else None
     return sum(r * (m.in_features + m.out_features) for n, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and m is not head and 'vision' not in n
+               and '.encoder.language_model.' not in n  # DiffusionGemma's encoder runs the decoder's own modules
                and (names is None or n.rsplit('.', 1)[-1] in names))
 
 
 def plan(family, c, world=1, gpu_gib=80.0, device='cuda'):
     """The plan: {name: bytes per GPU} plus facts about the run. c: a family's resolved config."""
+    import hf
+    import kernels
+    from skeleton import micro_steps
     meta = data_meta(c)
     vocab = meta.get('vocab_size') or 264  # the byte tokenizer's vocabulary when no data is prepared yet
     model, target = build_on_meta(family, c, vocab)
-    m = dims(target.config if family == 'dflash' else model.config)
-    if family == 'dflash':
-        m = {**dims(model.config), 'V': m['V'], 'softcap': m['softcap']}
+    m = dims(model.config)
+    if family == 'dflash':  # the draft's layers; the target's vocabulary and head
+        t = dims(target.config)
+        m = {**m, 'V': t['V'], 'softcap': t['softcap']}
     cuda = device == 'cuda'
-    bf16 = c.get('dtype', 'auto') == 'bfloat16' or (c.get('dtype', 'auto') == 'auto' and cuda)
-    flex = c.get('attn_implementation', 'auto') == 'flex_attention' or (
-        cuda and c.get('attn_implementation', 'auto') == 'auto')
-    eager = c.get('attn_implementation') == 'eager'
+    dtype, attn = c.get('dtype', 'auto'), c.get('attn_implementation', 'auto')
+    bf16 = dtype == 'bfloat16' or (dtype == 'auto' and cuda)
+    flex = attn == 'flex_attention' or (cuda and attn == 'auto')
     ckpt = bool(c.get('activation_checkpointing'))
     fsdp = bool(c.get('fsdp')) and world > 1
     shard = world if fsdp else 1
-    accum = max(1, c.get('gradient_accumulation_steps', 1) // world)
-    B = c['batch_size']
+    accum = micro_steps(c.get('gradient_accumulation_steps', 1), world)  # one line, exit 2 when it does not divide
+    B, a = c['batch_size'], 2 if bf16 else 4  # a: bytes of a matmul activation
 
-    # T: the longest row (raw text fills max_seq_len; chat rows are as long as the batch's longest example)
+    # T: the longest row. Raw text and packed rows fill max_seq_len; chat rows are as long as the batch's longest
+    # example (llada's EOS fill: a canvas drawn up to eos_fill, when longer)
     T = c['max_seq_len']
-    if meta.get('kind') == 'chat' and meta.get('longest', {}).get('train'):
-        T = min(T, meta['longest']['train'] + (c.get('eos_fill', 0) if family == 'llada' else 0))
+    if meta.get('kind') == 'chat' and meta.get('longest', {}).get('train') and not c.get('pack'):
+        T = min(T, max(meta['longest']['train'], c.get('eos_fill', 0) if family == 'llada' else 0))
     T = -(-T // c.get('pad_seq_len_divisible', 1)) * c.get('pad_seq_len_divisible', 1)
 
     P = sum(p.numel() for p in model.parameters())
-    n_lora = lora_params(model, c.get('lora_r', 0), c.get('lora_target_modules', 'all-linear'))
-    trained = n_lora or sum(p.numel() for p in model.parameters()) - (
-        sum(p.numel() for n, p in model.named_parameters() if '.router.' in n) if family == 'gemma_bd' and
-        c.get('freeze_router') else 0)
+    frozen = lambda n: (family == 'gemma_bd' and ('vision' in n or ('.router.' in n and c.get('freeze_router'))))
+    trained = lora_params(model, c.get('lora_r', 0), c.get('lora_target_modules', 'all-linear')) or \
+        sum(p.numel() for n, p in model.named_parameters() if not frozen(n))
     P_target = sum(p.numel() for p in target.parameters()) if target is not None else 0
-    import hf
     try:
-        units = hf.shard_units(model)
-        unit = max(sum(p.numel() for p in (u if isinstance(u, list) else [u])[0].parameters()) for u in units)
+        units = [u if isinstance(u, list) else [u] for u in hf.shard_units(model)]
+        unit = max(sum(p.numel() for p in u[0].parameters()) for u in units)
+        root = P - sum(sum(p.numel() for p in u[0].parameters()) for u in units)  # embeddings, head, final norm
     except ValueError:
-        unit = P // max(m['L'], 1)
+        unit, root = P // max(m['L'], 1), 0
 
-    # the tokens each micro-step pushes through with grad: (rows, tokens per row, keys per query)
+    # the tokens each micro-step pushes through with grad: rows x tok, each query against `keys` keys
     d, L, V = m['d'], m['L'], m['V']
     moe = family == 'gemma_bd' and m['E'] > 0
-    layer = (moe_layer(m, bf16=bf16, flex=flex) if moe else dense_layer(m, bf16=bf16, flex=flex))
-    if family in ('hybrid', 'idlm'):
-        rows, tok, keys = B, 2 * T, 2 * T  # [x_t | x_0]
-    elif family == 'gemma_bd':
-        rows, tok, keys = B, 2 * T, 2 * T  # [x0 | canvas]: the canvas window is at most the row (raw text: all of it)
-    elif family == 'dflash':
-        Q = c['num_blocks_per_sample'] * model.block_size
-        rows, tok, keys = B, Q, T + Q  # the draft's blocks, each query against the context and its block
-        layer = dense_layer(m, bf16=bf16, flex=flex, kv_tokens=T / Q)
-    else:
-        rows, tok, keys = B, T, T
-    a = 2 if bf16 else 4
-    if eager:
+    layer = moe_layer(m, bf16=bf16, flex=flex) if moe else dense_layer(m, bf16=bf16, flex=flex)
+    tok = keys = 2 * T if family in ('hybrid', 'idlm', 'gemma_bd') else T  # [x_t | x_0]; gemma_bd [x0 | canvas]
+    if family == 'dflash':  # the draft's blocks, each query against the target's context and its own block
+        tok = c['num_blocks_per_sample'] * model.block_size
+        keys = T + tok
+        layer = dense_layer(m, bf16=bf16, flex=flex, kv_tokens=T / tok)
+    if attn == 'eager':
         layer += 2 * FLOAT * m['h'] * keys  # eager softmax keeps the probabilities
-    per_row = tok * (L * FLOAT * d + layer if ckpt else L * layer)  # checkpointed: each block's input + one block
-    per_row += tok * 3 * FLOAT * d  # embeddings out, final norm in and out
-    if not flex:
-        per_row += (2 if bf16 else 4) * tok * keys  # the dense mask, one per micro-batch (all layers share it)
-    if family == 'dflash':
-        per_row += T * (len(model.target_layer_ids) * d * a + 2 * FLOAT * d)  # tapped features, fused context
-    ce_rows = rows * tok
-    chunk = min(max(1, (1 << 25) // max(V, 1)), 4096)
-    chunk = 1 << (max(64, chunk).bit_length() - 1)
-    n_ce = 2 if family in ('hybrid', 'gemma_bd', 'idlm') else 1  # two losses, two chunked CE calls
-    ce = n_ce * V * d * FLOAT * (family != 'dflash') + 2 * ce_rows * d * FLOAT + chunk * V * FLOAT * (
-        2 if m['softcap'] else 1)
-    if family == 'gemma_bd':  # the self-conditioning pass: (B, R, V) fp32 logits and their softmax, no grad
-        ce = max(ce, 2 * rows * T * V * FLOAT)
 
-    weights = P * FLOAT / shard + P_target * (2 if bf16 else 4)
+    def per_row(ckpt):
+        """Bytes one row of the micro-batch adds at the end of its forward (+ the first block's backward)."""
+        b = tok * (L * FLOAT * d + layer if ckpt else L * layer)  # checkpointed: each block's input + one block
+        b += tok * 3 * FLOAT * d  # embeddings out, final norm in and out
+        if not flex:  # the dense mask (transformers makes it additive, in the activations' dtype), one per layer type
+            b += a * tok * keys * len(set(getattr(model.config.get_text_config(), 'layer_types', None) or [0]))
+        if family == 'dflash':
+            b += T * (len(model.target_layer_ids) * d * a + 2 * FLOAT * d)  # tapped features, fused context
+        b += 2 * tok * d * FLOAT  # the chunked CE: the supervised rows' hidden states and their gradient (at most)
+        if family == 'gemma_bd':  # self-conditioning: pass 1's canvas logits and pass 2's saved softmax, fp32
+            b += 2 * T * V * FLOAT
+        wide = max(m['f'], m['k'] * m['fm']) if moe else m['f']
+        return b + tok * (3 * wide + 2 * d) * a  # the first block's backward: gradients of its widest tensors
+
+    n_ce = 2 if family in ('hybrid', 'gemma_bd', 'idlm') else 1  # two losses, two chunked CE calls
+    ce = n_ce * V * d * FLOAT * (family != 'dflash')  # the (V, d) fp32 weight gradient (dflash's head is frozen)
+    ce += kernels.auto_chunk_size(V) * V * FLOAT * (2 if m['softcap'] else 1)  # one chunk of fp32 logits
+    weights = P * FLOAT / shard + P_target * a  # the frozen target is held in the run's dtype
     grads = trained * FLOAT / shard
     adam = 2 * trained * FLOAT / shard
     step_tmp = 0 if cuda else trained * FLOAT / shard  # foreach AdamW's denominators (fused CUDA AdamW: none)
-    gathered = 2 * unit * FLOAT if fsdp else 0
-    casts = (2 * (unit if ckpt else P) if bf16 else 0)  # autocast's bf16 weight copies, kept for backward
-    # the first block's backward, on top of every saved activation: the gradients of its MLP and attention
-    # intermediates (the widest tensors of a block), a few at a time
-    wide = max(m['f'], m['k'] * m['fm']) if moe else m['f']
-    transient = rows * tok * (3 * wide + 2 * d) * a
-    acts = rows * per_row
-    forward = acts + ce + casts + transient + (grads if accum > 1 else 0)
-    step = grads + step_tmp
-    total = weights + adam + gathered + max(forward, step)
-    fixed = weights + adam + gathered + ce + casts + (grads if accum > 1 else 0)
-    fits_rows = lambda budget, pr: max(0, int((budget - fixed) // pr)) if budget > fixed else 0
-    per_row_ckpt = tok * (L * FLOAT * d + layer) + (per_row - tok * (L * FLOAT * d + layer if ckpt else L * layer))
+    ddp = trained * FLOAT if world > 1 and not fsdp else 0  # DDP's gradient buckets, a second copy
+    gathered = (2 * unit + root) * FLOAT if fsdp else 0  # computing + prefetched block; the root stays gathered
+    casts = lambda ckpt: 2 * (unit if ckpt else P) if bf16 else 0  # autocast's bf16 weight copies, kept for backward
+    static = weights + adam + gathered + ddp
+    step = grads + step_tmp  # the optimizer step: gradients and its temporaries
+
+    def total(rows, ckpt):
+        return static + max(ce + casts(ckpt) + (grads if accum > 1 else 0) + rows * per_row(ckpt), step)
+
     budget = gpu_gib * GiB * 0.9
-    return dict(family=family, world=world, fsdp=fsdp, bf16=bf16, flex=flex, ckpt=ckpt, T=T, rows=rows,
-                tokens=tok, accum=accum, params=P, trained=trained, target=P_target, weights=weights, grads=grads,
-                adam=adam, step_tmp=step_tmp, gathered=gathered, casts=casts, acts=acts, ce=ce, total=total,
-                gpu=gpu_gib * GiB, fits=total <= budget, tokens_per_step=B * T * accum * world,
-                max_rows=fits_rows(budget, per_row), max_rows_ckpt=fits_rows(budget, per_row_ckpt))
+
+    def max_rows(ckpt):
+        room = budget - static - ce - casts(ckpt) - (grads if accum > 1 else 0)
+        return int(room // per_row(ckpt)) if room > 0 and static + step <= budget else 0
+    peak = total(B, ckpt)
+    return dict(family=family, world=world, fsdp=fsdp, bf16=bf16, flex=flex, ckpt=ckpt, T=T, rows=B, tokens=tok,
+                accum=accum, params=P, trained=trained, target=P_target, weights=weights, grads=grads, adam=adam,
+                step_tmp=step_tmp, ddp=ddp, gathered=gathered, casts=casts(ckpt), acts=B * per_row(ckpt), ce=ce,
+                total=peak, gpu=gpu_gib * GiB, fits=peak <= budget, tokens_per_step=B * T * accum * world,
+                max_rows=max_rows(ckpt), max_rows_ckpt=max_rows(True))
 
 
 def report(p):
@@ -269,11 +278,14 @@ def report(p):
              f"  AdamW state      {g(p['adam'])}"]
     if p['step_tmp']:
         lines.append(f"  AdamW step temps {g(p['step_tmp'])}")
+    if p['ddp']:
+        lines.append(f"  DDP buckets      {g(p['ddp'])}")
     if p['gathered']:
-        lines.append(f"  FSDP2 gathered   {g(p['gathered'])}  (largest block x 2)")
+        lines.append(f"  FSDP2 gathered   {g(p['gathered'])}  (the root + the largest block x 2)")
     if p['casts']:
         lines.append(f"  bf16 weight casts{g(p['casts'])}")
-    lines += [f"  activations      {g(p['acts'])}", f"  loss buffers     {g(p['ce'])}",
+    lines += [f"  activations      {g(p['acts'])}  (+ per-row loss buffers, the first backward block)",
+              f"  loss buffers     {g(p['ce'])}",
               f"  peak             {g(p['total'])}  ({p['total'] / 2**20:,.0f} MiB) of {p['gpu'] / GiB:.0f} GiB: "
               + ('fits' if p['fits'] else 'does NOT fit') + ' (90 % usable)',
               f"  largest micro-batch that fits: {p['max_rows']} rows"
@@ -282,22 +294,25 @@ def report(p):
 
 
 def main(family, config, spec):
-    """--plan[=<GPUs>x<GiB>]: print the plan and exit 0 (1 when it does not fit)."""
+    """--plan[=<GPUs>x<GiB>]: print the plan and exit 0 (1 when it does not fit, 2 for bad input)."""
     import sys
+
+    def error(message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
     world, gib = int(os.environ.get('WORLD_SIZE', 1)), 80.0
     if spec:
         try:
-            w, _, m = spec.partition('x')
-            world, gib = int(w), float(m) if m else gib
+            w, _, g = spec.partition('x')
+            world, gib = int(w), float(g) if g else gib
         except ValueError:
-            print(f"error: --plan={spec}: expected <GPUs>x<GiB>, e.g. --plan=8x80", file=sys.stderr)
-            sys.exit(2)
-    dev = config.get('device', 'auto')
+            world = 0
+        if world < 1 or gib <= 0:
+            error(f"--plan={spec}: expected <GPUs>x<GiB>, e.g. --plan=8x80")
     try:
-        p = plan(family, config, world, gib, 'cpu' if dev == 'cpu' else 'cuda')
-    except (OSError, ValueError, KeyError) as e:  # no config.json there, remote code not trusted, a bad shape
-        print(f"error: --plan: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
-              file=sys.stderr)
-        sys.exit(2)
-    print(report(p))
+        p = plan(family, config, world, gib, 'cpu' if config.get('device', 'auto') == 'cpu' else 'cuda')
+    except Exception as e:  # no config.json there, remote code not trusted, a shape the builder refuses
+        error(f"--plan: {' '.join(str(e).split()) or type(e).__name__}")
+    if int(os.environ.get('RANK', 0)) == 0:  # under torchrun: one report
+        print(report(p))
     sys.exit(0 if p['fits'] else 1)

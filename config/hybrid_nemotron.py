@@ -44,5 +44,5 @@ block_length = 32
 steps_per_block = 32
 threshold = 0.9
 fsdp = True
-activation_checkpointing = True  # plan.py (--plan=8x80, an 8B Qwen3-shaped model): 180 GiB per GPU without (8192-token rows, doubled by [x_t | x_0]), 37 GiB with
+activation_checkpointing = True  # plan.py (--plan=8x80, an 8B Qwen3-shaped model): 185 GiB per GPU without (8192-token rows, doubled by [x_t | x_0]), 42 GiB with
 dtype = 'bfloat16'

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import hf
-import kernels
+import dlm_kernels as kernels
 
 
 def _status_kib(key):

@@ -43,7 +43,7 @@ from transformers.models.qwen3.modeling_qwen3 import (Qwen3Config, Qwen3MLP, Qwe
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import hf
-import kernels
+import dlm_kernels as kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
                       resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, check_mask_id, exact_match,

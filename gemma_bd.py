@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 import hf
-import kernels
+import dlm_kernels as kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, wrap, gathered, adamw, full_state,
                       resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, exact_match, lora_for_run,

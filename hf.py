@@ -11,7 +11,7 @@ Everything the family scripts and sample.py need from the transformers API:
     checkpoint_layers  activation checkpointing: every transformer block recomputes its forward in backward
     add_lora, adapter_state, merged_state, pretrained   LoRA through peft: adapters injected in place, the
                        adapter export (peft's format) and the merged weights, loading an adapter export
-    attention_mask     a kernels.py mask_mod -> what the model's attention backend takes: a flex_attention
+    attention_mask     a dlm_kernels.py mask_mod -> what the model's attention backend takes: a flex_attention
                        BlockMask when the model runs flex (CUDA), a dense bool (B, 1, Q, K) mask for SDPA (CPU)
     forward            logits of a forward with a mask, position ids, logits_to_keep and a KV cache
     tapped_forward     the same plus chosen decoder layers' outputs, concatenated (DFlash's target features)
@@ -27,12 +27,12 @@ import os
 import torch
 import torch.utils.checkpoint
 
-import kernels
+import dlm_kernels as kernels
 
 
 def default_attn_implementation(device, choice='auto'):
     """The attention a run uses: `choice` (the attn_implementation key), where 'auto' means flex_attention on CUDA
-    (BlockMask, no dense O(L^2) masks, fused kernels) and SDPA elsewhere: flex has no backward on CPU (kernels.py).
+    (BlockMask, no dense O(L^2) masks, fused kernels) and SDPA elsewhere: flex has no backward on CPU (dlm_kernels.py).
     'sdpa' on CUDA is the dense-mask reference that bench.py --only=gpu checks flex against."""
     if choice != 'auto':
         return choice
@@ -297,7 +297,7 @@ def uses_flex(model):
 
 
 def attention_mask(model, mask_mod, B, Q, K, device):
-    """The mask_mod (kernels.py) in the form the model's attention takes: a BlockMask for flex_attention (built once
+    """The mask_mod (dlm_kernels.py) in the form the model's attention takes: a BlockMask for flex_attention (built once
     per batch and shared by every layer), a dense bool (B, 1, Q, K) mask (True = attend) for SDPA, and for eager the
     same as an additive float mask (0 / the float32 minimum): transformers passes a 4-D mask through unchanged, and
     its eager attention adds it to the scores, so a bool mask there would add 1 to every visible score."""

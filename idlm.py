@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 import hf
-import kernels
+import dlm_kernels as kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered,
                       adamw, full_state, resolve_config, RunLog, stop_if_not_finite, Saver, exact_match,

@@ -170,7 +170,7 @@ def lora_params(model, r, targets):
 def plan(family, c, world=1, gpu_gib=80.0, device='cuda'):
     """The plan: {name: bytes per GPU} plus facts about the run. c: a family's resolved config."""
     import hf
-    import kernels
+    import dlm_kernels as kernels
     from skeleton import micro_steps
     meta = data_meta(c)
     vocab = meta.get('vocab_size') or 264  # the byte tokenizer's vocabulary when no data is prepared yet

@@ -29,7 +29,7 @@ non-finite check, and whether a block or row is done), one per block for infill.
 A sampler declares everything the command line needs in its @sampler(...) line (the Sampler fields: its preset
 options, the checkpoint families it decodes, its --infill variant, --show, extra --eval statistics); main() reads
 only that, so a new sampler is one function and one decorator. The sampling primitives (Gumbel noise, the
-categorical sampler, the transfer schedule, top-k) are in kernels.py; the commit rules (propose, select) here.
+categorical sampler, the transfer schedule, top-k) are in dlm_kernels.py; the commit rules (propose, select) here.
 """
 import argparse
 import collections
@@ -48,7 +48,7 @@ from typing import Callable, NamedTuple
 import torch
 
 import hf
-import kernels
+import dlm_kernels as kernels
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

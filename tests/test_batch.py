@@ -8,7 +8,7 @@ import torch
 
 import ar
 import hf
-import kernels
+import dlm_kernels as kernels
 import llada
 import skeleton
 from data.loader import TextWindows, collate

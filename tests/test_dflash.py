@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import dflash
 import hf
-import kernels
+import dlm_kernels as kernels
 import sample
 from data.regenerate import regenerate_answers
 

@@ -52,7 +52,7 @@ def test_shared_modules_name_each_public_function_once():
     # a fork keeps the roles' names); hf.attention_mask and kernels.attention_mask were two different functions
     import collections
     owners = collections.defaultdict(list)
-    for name in ('skeleton.py', 'hf.py', 'kernels.py', 'sample.py', 'configurator.py', 'bench.py', 'sweep.py',
+    for name in ('skeleton.py', 'hf.py', 'dlm_kernels.py', 'sample.py', 'configurator.py', 'bench.py', 'sweep.py',
                  'data/loader.py', 'data/prepare.py', 'data/synthetic.py', 'data/tokenizer.py', 'data/regenerate.py'):
         with open(os.path.join(ROOT, name)) as f:
             for node in ast.parse(f.read()).body:
@@ -60,3 +60,13 @@ def test_shared_modules_name_each_public_function_once():
                     owners[node.name].append(name)
     clashes = {k: v for k, v in owners.items() if len(v) > 1 and k != 'main'}
     assert not clashes, clashes
+
+
+def test_no_script_shadows_an_installed_package():
+    # the scripts' folder is first on sys.path, so a top-level foo.py hides an installed package foo from every
+    # library that imports it: transformers 5.25 imports the PyPI package `kernels`, and a kernels.py here broke it
+    import importlib.metadata
+    installed = set(importlib.metadata.packages_distributions())
+    ours = {f[:-3] for f in os.listdir(ROOT) if f.endswith('.py')} | \
+        {d for d in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, d, '__init__.py'))}
+    assert not ours & installed, f'these files shadow installed packages of the same name: {sorted(ours & installed)}'

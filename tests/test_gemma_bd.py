@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import gemma_bd as G
 import hf
-import kernels
+import dlm_kernels as kernels
 import sample
 
 V, PAD, EOS = 40, 38, 37

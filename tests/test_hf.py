@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf
-import kernels
+import dlm_kernels as kernels
 
 V = 48
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import hf
 import hybrid
-import kernels
+import dlm_kernels as kernels
 import llada
 import sample
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import hf
 import idlm
-import kernels
+import dlm_kernels as kernels
 import sample
 
 V, C, MASK, EOS, PAD = 48, 32, 45, 47, 46

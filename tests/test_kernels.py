@@ -1,5 +1,5 @@
 """
-Tests for kernels.py: every kernel against its plain twin, on CPU, small sizes.
+Tests for dlm_kernels.py: every kernel against its plain twin, on CPU, small sizes.
 Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_kernels.py
 """
 import contextlib
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels  # noqa: E402
+import dlm_kernels as kernels  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # chunked cross-entropy vs cross_entropy_reference

@@ -1,10 +1,10 @@
-"""kernels.py sampling primitives, each against its plain twin (the same draws where there are draws), plus the
+"""dlm_kernels.py sampling primitives, each against its plain twin (the same draws where there are draws), plus the
 distributions the draws must follow.
 Run: python -m pytest -q tests/test_sampling_kernels.py"""
 import pytest
 import torch
 
-import kernels
+import dlm_kernels as kernels
 
 
 @pytest.mark.parametrize('temperature', [0.0, 0.5, 1.0, 2.0])

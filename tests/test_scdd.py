@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import kernels
+import dlm_kernels as kernels
 import sample
 import scdd
 

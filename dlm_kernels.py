@@ -1,5 +1,7 @@
 """
-Numerically critical pieces shared by every family script, each next to its plain PyTorch twin:
+Numerically critical pieces shared by every family script, each next to its plain PyTorch twin. (Named
+dlm_kernels, not kernels: the scripts' folder comes first on sys.path, and transformers >= 5.25 imports the PyPI
+package `kernels`, which a kernels.py here would hide. Scripts import it as `import dlm_kernels as kernels`.)
 
 1. chunked_cross_entropy: CE of hidden rows against a large vocabulary that never materialises the
    (N, V) logits. It computes the gradients chunk by chunk during the forward pass and keeps only
@@ -152,7 +154,7 @@ class _ChunkedCE(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_loss, g_correct):
         assert ctx.ce is not None or ctx.gh is not None or ctx.gW is not None, \
-            "kernels.py: chunked_cross_entropy backward ran twice (retain_graph is not supported)"
+            "dlm_kernels.py: chunked_cross_entropy backward ran twice (retain_graph is not supported)"
         # scale the saved grads in place (they are ours alone) and release them
         gh = None if ctx.gh is None else ctx.gh.mul_(g_loss.to(ctx.gh.dtype))
         gW = None if ctx.gW is None else ctx.gW.mul_(g_loss.to(ctx.gW.dtype))
@@ -187,13 +189,13 @@ def chunked_cross_entropy(hidden, weight, targets, *, row_weights=None, softcap=
         with torch.autocast(dev, enabled=False):
             return chunked_cross_entropy(hidden.to(dt), weight.to(dt), targets, row_weights=row_weights,
                                          softcap=softcap, chunk_size=chunk_size, compiled=compiled, per_row=per_row)
-    assert hidden.dim() == 2 and weight.dim() == 2, f"kernels.py: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be 2-D"
-    assert hidden.shape[1] == weight.shape[1], f"kernels.py: hidden dim {hidden.shape[1]} != weight dim {weight.shape[1]}"
-    assert hidden.dtype == weight.dtype, f"kernels.py: hidden {hidden.dtype} and weight {weight.dtype} dtypes differ"
-    assert targets.shape == hidden.shape[:1], f"kernels.py: targets {tuple(targets.shape)} must be ({hidden.shape[0]},)"
+    assert hidden.dim() == 2 and weight.dim() == 2, f"dlm_kernels.py: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be 2-D"
+    assert hidden.shape[1] == weight.shape[1], f"dlm_kernels.py: hidden dim {hidden.shape[1]} != weight dim {weight.shape[1]}"
+    assert hidden.dtype == weight.dtype, f"dlm_kernels.py: hidden {hidden.dtype} and weight {weight.dtype} dtypes differ"
+    assert targets.shape == hidden.shape[:1], f"dlm_kernels.py: targets {tuple(targets.shape)} must be ({hidden.shape[0]},)"
     if row_weights is None:
         row_weights = torch.ones(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-    assert row_weights.shape == targets.shape, f"kernels.py: row_weights {tuple(row_weights.shape)} must be {tuple(targets.shape)}"
+    assert row_weights.shape == targets.shape, f"dlm_kernels.py: row_weights {tuple(row_weights.shape)} must be {tuple(targets.shape)}"
     on = torch.is_grad_enabled()  # inside Function.forward grad mode is off and needs_input_grad ignores it
     needs = (on and hidden.requires_grad, on and weight.requires_grad, on and row_weights.requires_grad)
     chunk_size = chunk_size or auto_chunk_size(weight.shape[0])
@@ -267,7 +269,7 @@ def chunked_logits_sum(fn, hidden, weight, *row_args, softcap=0.0, chunk_size=0)
             return chunked_logits_sum(fn, hidden.to(dt), weight.to(dt), *row_args, softcap=softcap,
                                       chunk_size=chunk_size)
     assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1], \
-        f"kernels.py: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be (N, d) and (V, d)"
+        f"dlm_kernels.py: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be (N, d) and (V, d)"
     on = torch.is_grad_enabled()
     needs = (on and hidden.requires_grad, on and weight.requires_grad)
     c = chunk_size or max(16, auto_chunk_size(weight.shape[0]) // 8)
@@ -431,7 +433,7 @@ def dense_mask(mask_mod, B, Q, K, device=None):
 
 def block_mask(mask_mod, B, Q, K, device=None):
     """flex_attention BlockMask (H=None: the mask is shared by all heads)."""
-    assert create_block_mask is not None, "kernels.py: this torch has no flex_attention; use dense_mask"
+    assert create_block_mask is not None, "dlm_kernels.py: this torch has no flex_attention; use dense_mask"
     return create_block_mask(mask_mod, B, None, Q, K, device=device)
 
 

@@ -345,14 +345,19 @@ if __name__ == '__main__':
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
     n_layer = 4  # transformer layers (scratch)
-    n_head = 4  # attention heads (scratch)
-    n_kv_head = 4  # key/value heads (scratch; < n_head = GQA)
+    n_head = 8  # attention heads (scratch). 8 of 16 dims, not 4 of 32 (same parameters): the answer's last digits
+    # must find operand digits at an offset that depends on the answer's length; more heads find it sooner (llada.py)
+    n_kv_head = 8  # key/value heads (scratch; < n_head = GQA)
     n_embd = 128  # hidden size (scratch)
     intermediate_size = 512  # MLP hidden size (scratch; 0 = 3 * n_embd)
     rope_theta = 10000.0  # RoPE base (scratch)
     # corruption (SCDD's forward process)
     mask_id = -1  # [MASK] token id; -1 = from meta.json / the tokenizer (LLaDA 126336, LLaDA2.1 156895)
-    eps = 1e-3  # time sampling: u <- (1 - eps) * u + eps before it is put on the grid
+    eps = 0.1  # time sampling: u <- (1 - eps) * u + eps before it is put on the grid. A masked token's loss weight
+    # is ~1/t, so eps caps it at ~10: at 1e-3 (the paper's; config/scdd_llada.py keeps it) one row near t = 1e-3 puts
+    # a token of weight ~1000 in a 256-row batch and its gradient is the step; with eps 1e-3, 4 heads and lr 2e-3
+    # 3 of 5 one-thread runs were still on the add plateau at step 1,000 (docs/defaults.md). The sampler's times
+    # (k/steps) never go below 1/steps = 0.2, so the capped range is never decoded at
     num_timesteps = 1000  # T: the discrete time grid k/T (training and the sampler's times)
     uniform_ratio = 0.1  # peak probability of a uniform (changed) token; 0 = MDLM masking
     schedule_shape = 1.0  # sharpness of the uniform bump c(t) = B t^a (1-t)^b, a + b = shape
@@ -360,7 +365,7 @@ if __name__ == '__main__':
     uniform_warmup = 1000  # >0: uniform_ratio ramps up linearly over the first this-many steps (ratio_at; docs/scdd.md)
     chunk_size = 0  # positions per vocabulary chunk of the loss (0 = auto from the vocab size)
     # optimizer
-    learning_rate = 2e-3  # peak AdamW learning rate
+    learning_rate = 3e-3  # peak AdamW learning rate (llada.py's: 3e-3 leaves the add plateau sooner than 2e-3)
     max_iters = 2000  # optimizer steps
     weight_decay = 0.1  # AdamW weight decay (2-D weights only)
     beta1 = 0.9  # AdamW beta1

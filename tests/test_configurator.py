@@ -285,3 +285,6 @@ def test_shipped_configs_apply_to_their_script(path):
     assert len(defaults) > 20, out
     config = apply_overrides(defaults, [str(path)])  # raises ConfigError naming file:line on a bad key or type
     assert config.keys() == defaults.keys()
+    if 'identical to plain' in path.read_text():  # the embedded default spelled out: a default change moves it too
+        changed = {k: (defaults[k], v) for k, v in config.items() if v != defaults[k]}
+        assert not changed, f'{path.name} says it is the default of {script.name} but differs: {changed} (default, file)'

@@ -357,7 +357,7 @@ if __name__ == '__main__':
     # is ~1/t, so eps caps it at ~10: at 1e-3 (the paper's; config/scdd_llada.py keeps it) one row near t = 1e-3 puts
     # a token of weight ~1000 in a 256-row batch and its gradient is the step; with eps 1e-3, 4 heads and lr 2e-3
     # 3 of 5 one-thread runs were still on the add plateau at step 1,000 (docs/defaults.md). The sampler's times
-    # (k/steps) never go below 1/steps = 0.2, so the capped range is never decoded at
+    # (k/steps) never go below 1/steps = 0.2, so it never decodes in the capped range
     num_timesteps = 1000  # T: the discrete time grid k/T (training and the sampler's times)
     uniform_ratio = 0.1  # peak probability of a uniform (changed) token; 0 = MDLM masking
     schedule_shape = 1.0  # sharpness of the uniform bump c(t) = B t^a (1-t)^b, a + b = shape

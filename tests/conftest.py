@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1 if os.environ.get('PYTEST_XDIST_WORKER') else min(2, os.cpu_count() or 1))
 
-FIRST = ('test_learns.py',)  # the longest tests start first, one per worker, so none is left running alone at the end
+FIRST = ('test_learns.py',)  # the longest test starts first, so it is not left running alone at the end
 
 
 def pytest_configure(config):

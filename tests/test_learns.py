@@ -3,14 +3,14 @@
 `python llada.py` on add sits at the edge of a plateau: a run that stays on it gets the answer's length and leading
 digit but guesses the last digits (training loss ~0.95, exact match under 5 %); a run that leaves it falls below 0.8
 and passes 50 % within a few hundred steps. Which side a run lands on was decided by float rounding (another
-machine, another thread count), so one run that learns proves little. This runs the default (its data, model,
-optimizer, 2,000-step schedule and canvas) for two seeds side by side at one thread each and needs each to leave
-the plateau by step 700: three log lines in a row (30 steps) below 0.8. A run is
-stopped as soon as it has left, so a passing test costs the exit step, not 700. Planted: the previous default
-(eps 1e-3, 4 heads, lr 2e-3) fails it (seed 1337 is still at ~0.95 at step 700; docs/defaults.md; sweep.py measures
-the full default as a distribution).
+machine, another thread count), so a test cannot prove the default learns everywhere; sweep.py measures that as a
+distribution (docs/defaults.md). This is the cheap guard: the default (its data, model, optimizer, 2,000-step
+schedule and canvas, seed 1337 as `python llada.py` runs it) at one thread must leave the plateau by step 700:
+three log lines in a row (30 steps) below 0.8. The run is stopped as soon as it has left, so a passing test costs
+the exit step, not 700. One seed, not two: a second seed side by side cost the suite ~10 of its 44 CPU minutes,
+over the 15-minute budget. Planted: the previous default (eps 1e-3, 4 heads, lr 2e-3) fails it (seed 1337 is still
+at ~0.95 at step 700).
 Run: python -m pytest -q tests/test_learns.py"""
-import concurrent.futures
 import os
 import re
 import subprocess
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # end-to-end runs: not in the fast tier (-m 'not 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the default's own first 700 steps at most (its LR schedule is still the 2,000-step one), no eval
 BUDGET = ['--max_iters=700', '--lr_decay_iters=2000', '--eval_interval=0', '--eval_samples=0', '--log_interval=10']
-SEEDS = (1337, 1)
+SEED = 1337  # the default's own seed: what a newcomer's `python llada.py` runs
 PLATEAU, RUN_OF = 0.8, 3  # left the plateau: RUN_OF log lines in a row with a loss below PLATEAU (on it: ~0.95)
 
 
@@ -57,8 +57,7 @@ def exit_step(script, data_dir, out_dir, seed, *args):
         p.wait()
 
 
-def test_llada_default_leaves_the_plateau_on_two_seeds(add_dir, tmp_path):
-    with concurrent.futures.ThreadPoolExecutor(len(SEEDS)) as pool:
-        steps = dict(zip(SEEDS, pool.map(lambda s: exit_step('llada.py', add_dir, tmp_path / f's{s}', s), SEEDS)))
-    assert None not in steps.values(), \
-        f'llada.py default: the step each seed left the plateau {steps}; None: training loss still >= {PLATEAU} at 700'
+def test_llada_default_leaves_the_plateau(add_dir, tmp_path):
+    step = exit_step('llada.py', add_dir, tmp_path / 'run', SEED)
+    print(f'llada.py default, seed {SEED}: left the plateau at step {step}')
+    assert step is not None, f'llada.py default, seed {SEED}: training loss still >= {PLATEAU} at step 700'

@@ -3,6 +3,7 @@ Tests for configurator.py: the pure core (apply_overrides), the exit/print behav
 and --help. Includes every nanoGPT configurator failure listed in STYLE.md §1.1.
 Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_configurator.py
 """
+import functools
 import subprocess
 import sys
 import textwrap
@@ -267,6 +268,13 @@ def test_script_end_to_end_in_subprocess(tmp_path):
     assert ['--n_layer=2', 'int', 'transformer', 'blocks'] in [l.split() for l in helped.stdout.splitlines()]
 
 
+@functools.lru_cache(maxsize=None)
+def script_help(script):
+    """`<script> --help`, once per script (a process start imports torch and transformers: seconds each)."""
+    return subprocess.run([sys.executable, str(script), '--help'], cwd=script.parent, capture_output=True,
+                          text=True).stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('path', sorted(Path(__file__).resolve().parents[1].glob('config/*.py')),
                          ids=lambda p: p.name)
@@ -280,7 +288,7 @@ def test_shipped_configs_apply_to_their_script(path):
     fits = [p.stem for p in root.glob('*.py') if path.name.startswith(p.stem + '_')]
     script = root / ((max(fits, key=len) if fits else path.name.split('_')[0]) + '.py')
     assert script.is_file(), f'{path.name}: no family script {script.name}'
-    out = subprocess.run([sys.executable, str(script), '--help'], cwd=root, capture_output=True, text=True).stdout
+    out = script_help(script)
     defaults = {k: ast.literal_eval(v) for k, v in re.findall(r'^  --(\w+)=(.*?)\s{2,}\w+\s', out, re.M)}
     assert len(defaults) > 20, out
     config = apply_overrides(defaults, [str(path)])  # raises ConfigError naming file:line on a bad key or type

@@ -310,10 +310,11 @@ def test_two_ranks_equal_one_rank_with_accumulation(data_dir, tmp_path, script, 
     # share one unit), against the plain 1-process run
     ac = ['--activation_checkpointing=True'] if fsdp == 'checkpointed' else []
     r = run(script, f'--out_dir={b}', *common, f'--fsdp={bool(fsdp)}', *ac, '--eval_samples=9', nproc=2)
-    # each run ends with the accuracy eval (9 problems: 5 decoded per rank, rank 1's last one padding), under FSDP2: a sampler that
-    # stopped early on one rank would hang it (unshard around sampling; hybrid: the even schedule without early stop, gemma_bd: every
-    # step of every canvas keeps ranks in lockstep; dflash and idlm: ranks run different numbers of forwards, so
-    # every unit stays gathered). It runs after the last step, so the weights compared below are the same.
+    # every run ends with the accuracy eval, under FSDP2 too: 9 problems, 5 decoded per rank (rank 1's last is
+    # padding). A sampler that stopped early on one rank would hang it (unshard around sampling; hybrid: the even
+    # schedule without early stop, gemma_bd: every step of every canvas keeps ranks in lockstep; dflash and idlm:
+    # ranks run different numbers of forwards, so every unit stays gathered). It runs after the last step, so the
+    # weights compared below are the same.
     assert 'held-out exact-match accuracy' in r.stdout, r.stdout[-2000:]
     ca, cb = ckpt(ONE_RANK[script]), ckpt(b)
     # the loss and the gradient norm see every token of the global batch with the global denominator

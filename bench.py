@@ -950,8 +950,8 @@ def idlm_need_mib(variant, args):
 # process group. A check passes when it returns ok; a check that raises is a FAIL row with the exception.
 
 GPU_FAMILIES = ('llada', 'scdd', 'hybrid', 'gemma_bd', 'ar', 'idlm', 'dflash')
-GPU_CHECKS = ['flex', 'bf16', 'compile', 'fsdp', 'fsdp_checkpointed', 'mfu'] + \
-    [f'train_{f}' for f in GPU_FAMILIES] + [f'speed_{f}' for f in GPU_FAMILIES] + \
+GPU_CHECKS = ['flex', 'bf16', 'compile', 'fsdp', 'fsdp_checkpointed'] + \
+    [f'train_{f}' for f in GPU_FAMILIES] + [f'speed_{f}' for f in GPU_FAMILIES] + ['mfu'] + \
     [f'decode_{s}' for s in ('ar', 'llada', 'llada2', 'scdd', 'nemotron', 'gemma', 'idlm', 'dflash')]
 # max |a - b| / max |b|: fp32 kernels that only sum in another order; bf16 (8-bit mantissa) vs fp32
 GPU_TOL = {'fp32': 1e-3, 'bf16': 2e-2}
@@ -1504,7 +1504,8 @@ def gpu_report(results, args):
     for v, r in results.items():
         good = r.get('ok', False)
         ok &= good
-        print(f"| {v} | {'ok' if good else 'FAIL'} | {r.get('info') or r.get('error')} |")
+        secs = f" ({r['seconds']:g} s)" if 'seconds' in r else ''
+        print(f"| {v} | {'ok' if good else 'FAIL'} | {r.get('info') or r.get('error')}{secs} |")
     return ok
 
 
@@ -1652,6 +1653,9 @@ CHECKPOINT_OF = {'sample': ('checkpoint', 'llada.py'), 'nemotron': ('hybrid_chec
                  'gemma': ('gemma_checkpoint', 'gemma_bd.py'), 'dflash': ('dflash_checkpoint', 'dflash.py'),
                  'idlm': ('idlm_checkpoint', 'idlm.py')}
 
+# the variants that time nothing, so --jobs may run them side by side: the gpu section's correctness checks
+PARALLEL_OK = {'gpu': lambda v: v not in ('mfu',) and not v.startswith('speed_')}
+
 # -----------------------------------------------------------------------------
 
 def _mem_available_mib():
@@ -1702,6 +1706,12 @@ def parse_args(argv=None):
     p.add_argument('--peak_tflops', type=float, default=989, help='gpu: peak bf16 dense TFLOPS for MFU (H200: 989)')
     p.add_argument('--mfu_B', type=int, default=8, help='gpu: sequences per batch of the ~0.5B MFU run (T=2048)')
     p.add_argument('--variants', default='', help='comma-separated subset of variants (gpu: checks)')
+    p.add_argument('--jobs', type=int, default=1, help='gpu: run this many correctness checks at once (their own '
+                   'processes; the timed rows, mfu and speed_*, still run alone, after them)')
+    p.add_argument('--overlap', action='store_true', help='gpu, with --jobs: run the timed rows (one at a time) '
+                   'beside the correctness checks instead of after them; their tokens/s then share the machine')
+    p.add_argument('--time_limit', type=float, default=0, help='seconds for the whole run (0 = none): a check still '
+                   'running then is killed and reported as timed out, later ones as skipped')
     p.add_argument('--child', default='', help=argparse.SUPPRESS)  # section:variant, run in a subprocess
     return p.parse_args(argv)
 
@@ -1731,6 +1741,7 @@ def main():
                   f"{script}, or pass --{key}=<out_dir>)", file=sys.stderr)
             return 2
     failed = False
+    deadline = time.monotonic() + (args.time_limit or float('inf'))
     for s in sections:
         variants, _, report, need_mib = SECTIONS[s]
         variants = variants(args) if callable(variants) else variants
@@ -1738,17 +1749,50 @@ def main():
             wanted = args.variants.split(',')
             variants = [v for v in variants if v in wanted or v.partition('@')[0] in wanted or v.partition('@')[2] in wanted]
         results = {}
-        for v in variants:
-            if need_mib(v, args) > 0.8 * _mem_available_mib():
+
+        def run_child(v):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                results[v] = {'error': f"skipped: out of time (--time_limit={args.time_limit:g})"}
+            elif need_mib(v, args) > 0.8 * _mem_available_mib():
                 results[v] = {'error': f"skipped: needs ~{need_mib(v, args):.0f} MiB"}
-                continue
-            cmd = [sys.executable, os.path.abspath(__file__), f'--child={s}:{v}'] + child_argv
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                results[v] = {'error': f"failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-1:]}"}
             else:
-                results[v] = json.loads(r.stdout.strip().splitlines()[-1])
+                cmd = [sys.executable, os.path.abspath(__file__), f'--child={s}:{v}'] + child_argv
+                t0 = time.monotonic()
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True)  # its own process group: a timeout kills it all
+                try:
+                    out, err = proc.communicate(timeout=left)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    proc.communicate()
+                    results[v] = {'error': f"timed out after {left:.0f} s (--time_limit={args.time_limit:g})"}
+                else:
+                    if proc.returncode != 0:
+                        results[v] = {'error': f"failed (exit {proc.returncode}): {err.strip().splitlines()[-1:]}"}
+                    else:
+                        results[v] = json.loads(out.strip().splitlines()[-1])
+                results[v]['seconds'] = round(time.monotonic() - t0, 1)
             print(f"  {s}/{v}: {results[v]}", file=sys.stderr, flush=True)
+
+        # --jobs: the checks that time nothing run side by side (their own processes); the rest run alone after them
+        together = [v for v in variants if args.jobs > 1 and PARALLEL_OK.get(s, lambda v: False)(v)]
+        together.sort(key=lambda v: not v.startswith('train_'))  # the longest (6 runs of a family script) first
+        alone = [v for v in variants if v not in together]
+        if together:
+            import threading
+            from concurrent.futures import ThreadPoolExecutor
+            lane = threading.Thread(target=lambda: [run_child(v) for v in alone]) if args.overlap else None
+            if lane:  # the timed rows in one lane of their own, beside the checks (a short lease: less time, noisier)
+                lane.start()
+            with ThreadPoolExecutor(args.jobs) as pool:
+                list(pool.map(run_child, together))
+            if lane:
+                lane.join()
+                alone = []
+        for v in alone:
+            run_child(v)
+        results = {v: results[v] for v in variants}  # the report in the section's order
         failed |= report(results, args) is False  # the gpu report says whether every check passed
     return 1 if failed else 0
 

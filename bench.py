@@ -1762,7 +1762,7 @@ def main():
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         start_new_session=True)  # its own process group: a timeout kills it all
                 try:
-                    out, err = proc.communicate(timeout=left)
+                    out, err = proc.communicate(timeout=left if args.time_limit else None)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, 9)
                     proc.communicate()

@@ -25,3 +25,14 @@ def test_ckpt_and_lora_sections_run_both_variants():
     assert [v for v, _, _ in rows] == ['full_step', 'lora_step'], r.stdout
     (_, full_n, full_p), (_, lora_n, lora_p) = rows
     assert full_n == full_p and float(lora_n) < float(lora_p)  # LoRA trains a part, full fine-tuning all
+
+
+def test_time_limit_fails_the_check_it_stops_and_skips_the_rest():
+    """--time_limit: a check still running at the deadline is killed and reported FAIL, the checks after it are
+    skipped (FAIL too), and bench.py exits 1; a short device lease then still returns a report. The children here
+    need ~3 s each just to import torch, so 1 s stops the first."""
+    r = subprocess.run([sys.executable, 'bench.py', '--only=gpu', '--toy', '--variants=flex,bf16', '--time_limit=1'],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert re.search(r'^\| flex \| FAIL \| timed out after \d+ s', r.stdout, re.M), r.stdout
+    assert re.search(r'^\| bf16 \| FAIL \| skipped: out of time', r.stdout, re.M), r.stdout

@@ -279,8 +279,8 @@ def test_chunk_size_does_not_change_the_loss(chunk):
     ref, hits, grads = run(10**6)  # one chunk
     got, hits2, grads2 = run(chunk)
     assert torch.allclose(got, ref, rtol=1e-6) and hits == hits2
-    for a, b in zip(grads, grads2):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    for a, b in zip(grads, grads2):  # float32 sums in another order: relative to the tensor's scale, not per entry
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
 # ---- the sampler

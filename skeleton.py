@@ -58,12 +58,13 @@ def micro_steps(gradient_accumulation_steps, world_size):
 
 def precision(dtype, device_type):
     """The resolved dtype name ('auto': bfloat16 on CUDA, float32 on CPU) and its autocast context (a no-op for
-    float32). On CUDA, float32 matmuls may use TF32."""
+    float32). On CUDA, bfloat16 lets the float32 matmuls autocast leaves use TF32; float32 means IEEE float32
+    everywhere, flex_attention's Triton kernels included (they follow this flag; with TF32 on, bench.py's float32
+    flex run of gemma_bd drifted 2.5e-3 from SDPA's in 3 steps on an H200)."""
     if dtype == 'auto':
         dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
     if device_type == 'cuda':
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = dtype == 'bfloat16'
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
     return dtype, nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type, dtype=ptdtype)
 

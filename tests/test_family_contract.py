@@ -70,3 +70,23 @@ def test_no_script_shadows_an_installed_package():
     ours = {f[:-3] for f in os.listdir(ROOT) if f.endswith('.py')} | \
         {d for d in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, d, '__init__.py'))}
     assert not ours & installed, f'these files shadow installed packages of the same name: {sorted(ours & installed)}'
+
+
+def test_float32_means_ieee_on_cuda_and_bfloat16_allows_tf32():
+    """--dtype=float32 is IEEE float32 on CUDA, flex_attention's Triton kernels included (inductor reads its fp32
+    precision from this flag): bench.py's per-family GPU check compares flex with SDPA in float32, and with TF32 on
+    gemma_bd's drifted past its tolerance. bfloat16 autocast keeps TF32 for the float32 matmuls it leaves. The
+    flags are plain settings, so this runs on a CPU build."""
+    import torch
+    import skeleton
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        assert skeleton.precision('auto', 'cuda')[0] == 'bfloat16' and torch.backends.cuda.matmul.allow_tf32
+        assert skeleton.precision('float32', 'cuda')[0] == 'float32'
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        from torch._inductor.kernel.flex.flex_attention import get_float32_precision
+        assert get_float32_precision() == "'ieee'"
+        skeleton.precision('bfloat16', 'cuda')
+        assert get_float32_precision() == "'tf32'"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

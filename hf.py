@@ -314,19 +314,29 @@ def attention_mask(model, mask_mod, B, Q, K, device):
 @functools.lru_cache(maxsize=256)
 def _forward_kwargs(fn):
     """Which optional keywords the forward function fn takes, looked up once per function (not on every forward):
-    -> (position_ids?, logits_to_keep?, the cache keyword). A forward with **kwargs is assumed to pass them on to a
-    transformers 5.x model, whose cache keyword is `cache` (`past_key_values` before 5.0 and in some remote code)."""
+    -> (position_ids?, logits_to_keep?, the cache keyword: `cache` from transformers 5.24, `past_key_values` before
+    it and in remote code; None for a forward that names neither but takes **kwargs, a wrapper: see _cache_kw)."""
     params = inspect.signature(fn).parameters
     var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
     takes = lambda name: name in params or var_kw
-    cache_kw = 'past_key_values' if 'past_key_values' in params and 'cache' not in params else 'cache'
-    return takes('position_ids'), takes('logits_to_keep'), cache_kw
+    cache_kw = 'cache' if 'cache' in params else 'past_key_values' if 'past_key_values' in params else None
+    return takes('position_ids'), takes('logits_to_keep'), cache_kw if cache_kw or var_kw else 'cache'
+
+
+def _cache_kw(module):
+    """The keyword module's forward takes its KV cache by. A wrapper's forward (peft's, bench.py's) takes **kwargs
+    and hands them to the transformers model inside, so the first submodule that names one decides."""
+    for m in module.modules():  # the module itself first
+        kw = _forward_kwargs(getattr(m.forward, '__func__', m.forward))[2]
+        if kw:
+            return kw
+    return 'cache'
 
 
 def forward(model, x, *, mask=None, pos=None, keep=0, cache=None):
     """Logits (B, keep or N, V) of x (B, N) with an optional attention mask (2-D padding mask, or a 4-D mask from
     attention_mask()), position ids (B, N) and a KV cache that this call appends x's keys/values to."""
-    takes_pos, takes_keep, cache_kw = _forward_kwargs(getattr(model.forward, '__func__', model.forward))
+    takes_pos, takes_keep, _ = _forward_kwargs(getattr(model.forward, '__func__', model.forward))
     kw = {}
     if mask is not None:
         kw['attention_mask'] = mask
@@ -335,7 +345,7 @@ def forward(model, x, *, mask=None, pos=None, keep=0, cache=None):
     if keep and takes_keep:
         kw['logits_to_keep'] = keep
     if cache is not None:
-        kw.update(use_cache=True, **{cache_kw: cache})
+        kw.update(use_cache=True, **{_cache_kw(model): cache})
     logits = model(input_ids=x, **kw).logits
     return logits[:, -keep:] if keep else logits
 
@@ -346,8 +356,8 @@ def tapped_forward(model, x, layer_ids, *, mask=None, pos=None, cache=None, logi
     -> (logits (B, keep or N, V) or None when logits=False (no LM head: DFlash training), feats (B, N,
     len(layer_ids)·C)). mask, pos and cache as in forward(); keep > 0: logits of the last keep positions only."""
     decoder = model.get_decoder()
-    takes_pos, _, cache_kw = _forward_kwargs(getattr(decoder.forward, '__func__', decoder.forward))
-    kw = {'use_cache': False} if cache is None else {'use_cache': True, cache_kw: cache}
+    takes_pos = _forward_kwargs(getattr(decoder.forward, '__func__', decoder.forward))[0]
+    kw = {'use_cache': False} if cache is None else {'use_cache': True, _cache_kw(decoder): cache}
     if mask is not None:
         kw['attention_mask'] = mask
     if pos is not None and takes_pos:
@@ -372,7 +382,8 @@ def new_cache(model=None):
 def gemma_encode(model, ids, *, mask, pos, cache):
     """DiffusionGemma's encoder pass: ids (B, N) appended causally to `cache` (their keys/values, every layer);
     mask (B, cached + N) bool marks real tokens (left padding), pos (B, N) their position ids."""
-    model.model.encoder(input_ids=ids, attention_mask=mask, cache=cache, position_ids=pos)
+    enc = model.model.encoder
+    enc(input_ids=ids, attention_mask=mask, position_ids=pos, **{_cache_kw(enc): cache})
 
 
 def gemma_decode(model, canvas, *, cache, mask, pos, sc_logits=None):
@@ -380,8 +391,8 @@ def gemma_decode(model, canvas, *, cache, mask, pos, sc_logits=None):
     attends bidirectionally to itself and to everything in `cache` (read only); mask (B, cached + C) bool marks real
     keys, pos (B, C) the canvas position ids, sc_logits (B, C, V) the previous step's logits (self-conditioning;
     None = zeros, the first step)."""
-    return model(decoder_input_ids=canvas, cache=cache, self_conditioning_logits=sc_logits,
-                 decoder_attention_mask=mask, decoder_position_ids=pos).logits
+    return model(decoder_input_ids=canvas, self_conditioning_logits=sc_logits, decoder_attention_mask=mask,
+                 decoder_position_ids=pos, **{_cache_kw(model): cache}).logits
 
 
 def crop(cache, n):

@@ -104,7 +104,38 @@ def test_forward_keywords_are_looked_up_once_per_function():
     x = torch.randint(0, V, (1, 6))
     out = hf.forward(NoPositions(), x, pos=torch.arange(6)[None], keep=2)  # pos and keep silently not passed
     assert out.shape == (1, 2, V) and torch.allclose(out, model(x).logits[:, -2:], atol=1e-6)
-    assert hf._forward_kwargs(type(model).forward) == (True, True, 'cache')
+    import inspect
+    named = 'cache' if 'cache' in inspect.signature(type(model).forward).parameters else 'past_key_values'
+    assert hf._forward_kwargs(type(model).forward) == (True, True, named)
+
+
+class PassOn(torch.nn.Module):
+    """A wrapper whose forward takes **kwargs and hands them on (as peft's does)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, *a, **kw):
+        return self.m(*a, **kw)
+
+
+def test_a_wrappers_cache_keyword_is_the_wrapped_models():
+    # transformers renamed past_key_values to cache in 5.24: a wrapper must pass the cache by the name of the model
+    # inside, or the model ignores it (decoding without a cache: keys of the block only, a shape error or wrong tokens)
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=False):
+            return input_ids
+
+    assert hf._cache_kw(PassOn(Old())) == 'past_key_values' and hf._cache_kw(PassOn(PassOn(Old()))) == 'past_key_values'
+    model = tiny(False)
+    x = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(2))
+    cache = hf.new_cache()
+    with torch.no_grad():
+        hf.forward(PassOn(model), x[:, :6], cache=cache)
+        got = hf.forward(PassOn(model), x[:, 6:], pos=torch.arange(6, 9).expand(2, 3), cache=cache)
+        ref = model(x).logits[:, 6:]
+    assert cache.get_seq_length() == 9 and torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
 
 
 def test_cache_append_and_crop_equal_uncached():

@@ -446,10 +446,13 @@ if __name__ == '__main__':
            f'{global_batch} examples/step')
 
     # encoder layer i holds decoder layer i's submodules (share_encoder_modules): one FSDP unit, each weight sharded
-    # once; training calls only the decoder layer (one call per pass), the sampler's encoder passes the other
+    # once; training calls only the decoder layer (one call per pass), the sampler's encoder passes the other.
+    # --compile compiles those decoder layers one by one: BlockDiffusion.hidden calls them itself, never the
+    # decoder's forward (compiling the decoder, as until 2026-12-04, compiled nothing that training ran)
     units = [[d, e] for d, e in zip(raw_model.model.decoder.layers, raw_model.model.encoder.language_model.layers)]
     train_model, fsdp_units = wrap(net, units if fsdp else [], fsdp=fsdp, device_type=device_type,
-                                   local_rank=ddp_local_rank, compiled=[raw_model.model.decoder] if compile else [],
+                                   local_rank=ddp_local_rank,
+                                   compiled=list(raw_model.model.decoder.layers) if compile else [],
                                    checkpointed=raw_model if activation_checkpointing else None)  # the order: skeleton.wrap
     optimizer = adamw(net, learning_rate=learning_rate, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                       device_type=device_type, checkpoint=checkpoint)  # the trained parameters only

@@ -334,3 +334,39 @@ def test_fsdp_two_ranks_with_eval(data_dir, tmp_path):
             '--eval_samples=9', '--gradient_accumulation_steps=2', nproc=2)
     assert 'held-out exact-match accuracy' in r.stdout
     assert ckpt(out)['step'] == 2
+
+
+COUNT_COMPILED = r'''
+import json, runpy, sys, torch
+calls, compile_ = [], torch.compile
+torch.compile = lambda fn=None, **kw: compile_(fn, **{**kw, 'backend': 'eager'})  # trace, do not build kernels
+module_compile = torch.nn.Module.compile
+def counted_compile(self, *a, **kw):  # each compiled module's compiled calls, counted outside the compiled code
+    module_compile(self, *a, **kw)
+    fn, i = self._compiled_call_impl, len(calls)
+    calls.append([type(self).__name__, 0])
+    def call(*a, **kw):
+        calls[i][1] += 1
+        return fn(*a, **kw)
+    self._compiled_call_impl = call
+torch.nn.Module.compile = counted_compile
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name='__main__')
+finally:
+    print('COMPILED ' + json.dumps(calls))
+'''
+
+
+@pytest.mark.parametrize('script', ['llada.py', 'gemma_bd.py', 'dflash.py'])
+def test_compile_compiles_what_training_runs(data_dir, tmp_path, script, request):
+    """--compile=True compiles modules in place; every one of them must run in training. gemma_bd's forward calls
+    its decoder's layers itself, so compiling the decoder (as until 2026-12-04) compiled nothing it ran. The
+    compiler is traced with the eager backend here (no kernel builds: seconds on CPU); bench.py --only=gpu compares
+    the compiled numbers on a GPU."""
+    import json
+    out = str(tmp_path / 'out')
+    r = run('-c', COUNT_COMPILED, script, f'--data_dir={data_dir}', f'--out_dir={out}',
+            '--max_iters=1', '--compile=True', *TINY, '--eval_samples=0', *extra(script, request))
+    calls = json.loads(r.stdout.split('COMPILED ')[-1].splitlines()[0])
+    assert calls and all(n > 0 for _, n in calls), calls

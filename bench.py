@@ -1080,12 +1080,13 @@ def gpu_bf16(args):
 
 
 def gpu_compile(args):
-    """get_decoder().compile() + the compiled chunked CE vs eager, same weights: loss and grads (fp32)."""
+    """Each block compiled in place + the compiled chunked CE vs eager, same weights: loss and grads (fp32)."""
     import llada
     device, toy, model, batch, mask, attn = _gpu_model(args)
     le, ge = _llada_step(llada.MDLM(model), batch, mask)
     backend = _compile_backend(device, toy)
-    model.get_decoder().compile(backend=backend)  # in place, as llada.py --compile does
+    for block in hf.shard_units(model):  # in place, block by block, as llada.py --compile does
+        block.compile(backend=backend)
     mdlm = llada.MDLM(model, compiled_ce=True)
     sync = torch.cuda.synchronize if device == 'cuda' else lambda: None
     t0 = time.perf_counter()
@@ -1097,7 +1098,7 @@ def gpu_compile(args):
     t2 = time.perf_counter()
     e_loss, e_grad, tol = _rel_err(lc, le), _worst(gc, ge), GPU_TOL['fp32']
     return {'ok': e_loss <= tol and e_grad <= tol,
-            'info': f"{attn}, decoder backend={backend}: compile {t1 - t0:.1f} s (first step), then "
+            'info': f"{attn}, blocks compiled, backend={backend}: compile {t1 - t0:.1f} s (first step), then "
                     f"{1e3 * (t2 - t1):.0f} ms/step; loss {lc:.5f} vs eager {le:.5f} (rel err {e_loss:.1e}), "
                     f"grads max rel err {e_grad:.1e}, tol {tol:.0e}"}
 
@@ -1110,7 +1111,7 @@ def gpu_fsdp(args, checkpointed=False):
     Against the reference run's updates they agree only when the grads are bit-identical: grads 1e-6 apart flip
     lr·g/(|g| + eps) wherever |g| is near eps (the first H200 run: grads 8.9e-07 apart, updates 1.8e-02).
     checkpointed: as llada.py --fsdp --activation_checkpointing --compile runs it (blocks checkpointed, then the
-    decoder compiled, then sharded) against the plain eager unsharded step."""
+    blocks compiled, then sharded) against the plain eager unsharded step."""
     import copy
     import socket
     import llada
@@ -1143,7 +1144,8 @@ def gpu_fsdp(args, checkpointed=False):
         backend = _compile_backend(device, toy)
         if checkpointed:
             hf.checkpoint_layers(model.train())
-            model.get_decoder().compile(backend=backend)
+            for block in hf.shard_units(model):
+                block.compile(backend=backend)
         for layer in hf.shard_units(model):
             fully_shard(layer)
         mdlm = fully_shard(llada.MDLM(model))  # the root: embeddings, final norm, the tied LM head
@@ -1156,7 +1158,7 @@ def gpu_fsdp(args, checkpointed=False):
         e_upd, e_upd_ref = _worst(us, u_same), _worst(us, ur)
         return {'ok': max(e_loss, e_grad, e_upd, _rel_err(ns, nr)) <= tol,
                 'info': f"{dist.get_backend()}, {len(hf.shard_units(model))} blocks + root sharded, {attn}"
-                        f"{f', blocks checkpointed, decoder compiled ({backend})' if checkpointed else ''}: "
+                        f"{f', blocks checkpointed and compiled ({backend})' if checkpointed else ''}: "
                         f"loss {ls:.5f} vs unsharded {lr_:.5f} (rel err {e_loss:.1e}), "
                         f"grad norm {ns:.4f} vs {nr:.4f}, "
                         f"grads max rel err {e_grad:.1e}, AdamW updates from these grads max rel err {e_upd:.1e} "
@@ -1186,7 +1188,8 @@ def gpu_mfu(args):
                            attn_implementation=hf.default_attn_implementation(device)).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     backend = _compile_backend(device, toy)
-    model.get_decoder().compile(backend=backend)
+    for block in hf.shard_units(model):
+        block.compile(backend=backend)
     mdlm = llada.MDLM(model, compiled_ce=True)
     opt = torch.optim.AdamW(mdlm.parameters(), lr=1e-4, fused=device == 'cuda')
     xt, x0, w, n_sup, _ = gpu_batch(kw['vocab_size'], B, T, device, pad=False)

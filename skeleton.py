@@ -474,7 +474,9 @@ def wrap(module, units, *, fsdp, device_type, local_rank, checkpointed=None, com
     composes: activation checkpointing of the HF model `checkpointed` (None: off), then torch.compile of each module
     in `compiled` (in place: state_dict keys keep their names, no _orig_mod.), then data parallelism under torchrun:
     FSDP2 (each of units sharded, then the root) or DDP; on one process, itself. So each block's recompute and
-    compiled graph stay inside its FSDP unit. Returns (train_model, the FSDP units incl. the root, for gathered())."""
+    compiled graph stay inside its FSDP unit. The families compile block by block: one traced block whose graph the
+    others reuse, not a whole decoder traced layer after layer. Returns (train_model, the FSDP units incl. the root,
+    for gathered())."""
     if checkpointed is not None:
         checkpoint_activations(checkpointed)
     for m in compiled:

@@ -358,12 +358,12 @@ finally:
 '''
 
 
-@pytest.mark.parametrize('script', ['llada.py', 'gemma_bd.py', 'dflash.py'])
+@pytest.mark.parametrize('script', ['llada.py', 'hybrid.py', 'gemma_bd.py', 'dflash.py'])
 def test_compile_compiles_what_training_runs(data_dir, tmp_path, script, request):
-    """--compile=True compiles modules in place; every one of them must run in training. gemma_bd's forward calls
-    its decoder's layers itself, so compiling the decoder (as until 2026-12-04) compiled nothing it ran. The
-    compiler is traced with the eager backend here (no kernel builds: seconds on CPU); bench.py --only=gpu compares
-    the compiled numbers on a GPU."""
+    """--compile=True compiles modules in place (each block, one by one); every one of them must run in training.
+    gemma_bd's forward calls its decoder's layers itself, so compiling the decoder (as until 2026-12-04) compiled
+    nothing it ran. The compiler traces with the eager backend here (no kernel builds: seconds on CPU); bench.py
+    --only=gpu compares the compiled numbers with eager ones on a GPU."""
     import json
     out = str(tmp_path / 'out')
     r = run('-c', COUNT_COMPILED, script, f'--data_dir={data_dir}', f'--out_dir={out}',

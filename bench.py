@@ -1722,8 +1722,9 @@ def parse_args(argv=None):
     p.add_argument('--peak_tflops', type=float, default=989, help='gpu: peak bf16 dense TFLOPS for MFU (H200: 989)')
     p.add_argument('--mfu_B', type=int, default=8, help='gpu: sequences per batch of the ~0.5B MFU run (T=2048)')
     p.add_argument('--variants', default='', help='comma-separated subset of variants (gpu: checks)')
-    p.add_argument('--jobs', type=int, default=1, help='gpu: run this many correctness checks at once (their own '
-                   'processes; the timed rows, mfu and speed_*, still run alone, after them)')
+    p.add_argument('--jobs', type=int, default=0, help='gpu: run this many correctness checks at once (their own '
+                   'processes; the timed rows, mfu and speed_*, still run alone, after them); 0 = auto: with CUDA, '
+                   'min(8, CPU cores // 2) (each check compiles on the CPU), else 1')
     p.add_argument('--overlap', action='store_true', help='gpu, with --jobs: run the timed rows (one at a time) '
                    'beside the correctness checks instead of after them; their tokens/s then share the machine')
     p.add_argument('--time_limit', type=float, default=0, help='seconds for the whole run (0 = none): a check still '
@@ -1758,6 +1759,7 @@ def main():
             return 2
     failed = False
     deadline = time.monotonic() + (args.time_limit or float('inf'))
+    jobs = args.jobs or (min(8, (os.cpu_count() or 2) // 2) if torch.cuda.is_available() else 1)
     for s in sections:
         variants, _, report, need_mib = SECTIONS[s]
         variants = variants(args) if callable(variants) else variants
@@ -1792,7 +1794,7 @@ def main():
             print(f"  {s}/{v}: {results[v]}", file=sys.stderr, flush=True)
 
         # --jobs: the checks that time nothing run side by side (their own processes); the rest run alone after them
-        together = [v for v in variants if args.jobs > 1 and PARALLEL_OK.get(s, lambda v: False)(v)]
+        together = [v for v in variants if jobs > 1 and PARALLEL_OK.get(s, lambda v: False)(v)]
         together.sort(key=lambda v: not v.startswith('train_'))  # the longest (6 runs of a family script) first
         alone = [v for v in variants if v not in together]
         if together:
@@ -1801,7 +1803,7 @@ def main():
             lane = threading.Thread(target=lambda: [run_child(v) for v in alone]) if args.overlap else None
             if lane:  # the timed rows in one lane of their own, beside the checks (a short lease: less time, noisier)
                 lane.start()
-            with ThreadPoolExecutor(args.jobs) as pool:
+            with ThreadPoolExecutor(jobs) as pool:
                 list(pool.map(run_child, together))
             if lane:
                 lane.join()

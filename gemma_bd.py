@@ -448,7 +448,7 @@ if __name__ == '__main__':
     # encoder layer i holds decoder layer i's submodules (share_encoder_modules): one FSDP unit, each weight sharded
     # once; training calls only the decoder layer (one call per pass), the sampler's encoder passes the other.
     # --compile compiles those decoder layers one by one: BlockDiffusion.hidden calls them itself, never the
-    # decoder's forward (compiling the decoder, as until 2026-12-04, compiled nothing that training ran)
+    # decoder's forward (compiling the decoder would compile nothing that training runs)
     units = [[d, e] for d, e in zip(raw_model.model.decoder.layers, raw_model.model.encoder.language_model.layers)]
     train_model, fsdp_units = wrap(net, units if fsdp else [], fsdp=fsdp, device_type=device_type,
                                    local_rank=ddp_local_rank,

@@ -23,6 +23,7 @@ Family-specific model code (a draft model, a two-pass forward) stays in its fami
 import functools
 import inspect
 import os
+import weakref
 
 import torch
 import torch.utils.checkpoint
@@ -242,14 +243,18 @@ def pretrained(load, d, **kw):
 def last_hidden_state(model, input_ids, attention_mask=None, position_ids=None):
     """The final (post-norm) hidden states that the LM head consumes, (B, T, C). Native transformers models expose
     their base model through get_decoder(); a remote-code model without one (LLaDA-8B's modeling_llada.py) falls back
-    to output_hidden_states, whose last entry is post-norm by HF convention, at the cost of its full logits."""
+    to output_hidden_states, whose last entry is post-norm by HF convention, at the cost of its full logits.
+    No KV cache: a model builds one by default, and filling it makes each block's compiled graph guard on its layer
+    index (one recompile per block, past dynamo's limit of 8: the rest would run eager)."""
     decoder = model.get_decoder()
     if decoder is not model:
-        return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).last_hidden_state
     if attention_mask is not None or position_ids is not None:
         raise ValueError(f'{type(model).__name__}: custom masks/positions need a model whose get_decoder() returns '
                          f'its base model')
-    return model(input_ids=input_ids, output_hidden_states=True).hidden_states[-1]
+    no_cache = {'use_cache': False} if _takes(model, 'use_cache') else {}
+    return model(input_ids=input_ids, output_hidden_states=True, **no_cache).hidden_states[-1]
 
 
 def shard_units(model):
@@ -271,6 +276,11 @@ def shard_units(model):
         groups[hit].append(m)
         owner.update({id(p): hit for p in m.parameters()})
     return [g[0] if len(g) == 1 else g for g in groups]
+
+
+def blocks(model):
+    """The transformer blocks of model, one by one (shard_units with its shared-weight groups flattened)."""
+    return [b for u in shard_units(model) for b in (u if isinstance(u, list) else [u])]
 
 
 def checkpoint_layers(model):
@@ -314,23 +324,31 @@ def attention_mask(model, mask_mod, B, Q, K, device):
 @functools.lru_cache(maxsize=256)
 def _forward_kwargs(fn):
     """Which optional keywords the forward function fn takes, looked up once per function (not on every forward):
-    -> (position_ids?, logits_to_keep?, the cache keyword: `cache` from transformers 5.24, `past_key_values` before
-    it and in remote code; None for a forward that names neither but takes **kwargs, a wrapper: see _cache_kw)."""
+    -> (position_ids?, logits_to_keep?, the cache keyword it names: `cache` or `past_key_values`, else None)."""
     params = inspect.signature(fn).parameters
     var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
     takes = lambda name: name in params or var_kw
-    cache_kw = 'cache' if 'cache' in params else 'past_key_values' if 'past_key_values' in params else None
-    return takes('position_ids'), takes('logits_to_keep'), cache_kw if cache_kw or var_kw else 'cache'
+    return takes('position_ids'), takes('logits_to_keep'), next(
+        (k for k in ('cache', 'past_key_values') if k in params), None)
+
+
+def _takes(model, name):
+    """Whether model's forward takes the keyword name (by name, or through **kwargs)."""
+    params = inspect.signature(getattr(model.forward, '__func__', model.forward)).parameters
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+_CACHE_KW = weakref.WeakKeyDictionary()  # module -> its cache keyword, found once
 
 
 def _cache_kw(module):
-    """The keyword module's forward takes its KV cache by. A wrapper's forward (peft's, bench.py's) takes **kwargs
-    and hands them to the transformers model inside, so the first submodule that names one decides."""
-    for m in module.modules():  # the module itself first
-        kw = _forward_kwargs(getattr(m.forward, '__func__', m.forward))[2]
-        if kw:
-            return kw
-    return 'cache'
+    """The keyword module's forward takes its KV cache by: `cache` from transformers 5.24, `past_key_values` before
+    it and in remote code. A wrapper's forward (peft's, bench.py's) names neither and hands its **kwargs to the
+    model inside, so the first submodule whose forward names one decides; none: `cache`."""
+    if module not in _CACHE_KW:
+        _CACHE_KW[module] = next((kw for m in module.modules()  # the module itself first
+                                  if (kw := _forward_kwargs(getattr(m.forward, '__func__', m.forward))[2])), 'cache')
+    return _CACHE_KW[module]
 
 
 def forward(model, x, *, mask=None, pos=None, keep=0, cache=None):

@@ -272,7 +272,7 @@ if __name__ == '__main__':
            f'{global_batch} examples/step')
 
     train_model, fsdp_units = wrap(net, hf.shard_units(raw_model) if fsdp else [], fsdp=fsdp, device_type=device_type,
-                                   local_rank=ddp_local_rank, compiled=hf.shard_units(raw_model) if compile else [],
+                                   local_rank=ddp_local_rank, compiled=hf.blocks(raw_model) if compile else [],
                                    checkpointed=raw_model if activation_checkpointing else None)  # the order: skeleton.wrap
     optimizer = adamw(net, learning_rate=learning_rate, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                       device_type=device_type, checkpoint=checkpoint)

@@ -507,14 +507,17 @@ def checkpoint_activations(model):
 
 @contextmanager
 def gathered(units):
-    """Every FSDP unit gathered whole for the block and kept so, then resharded: the one FSDP-safe way to run an
-    eval whose ranks may make different numbers of forward calls (a sampler that stops at EOS or accepts a
-    different number of drafted tokens): no collective happens inside. No-op without FSDP (units empty)."""
+    """The context every family's sampling eval runs in. Every FSDP unit gathered whole for the block and kept so,
+    then resharded: the one FSDP-safe way to run an eval whose ranks may make different numbers of forward calls (a
+    sampler that stops at EOS or accepts a different number of drafted tokens): no collective happens inside. No-op
+    without FSDP (units empty). And --compile'd blocks run eager inside: cached decoding at changing lengths would
+    recompile every block, using up dynamo's recompile limit that training's graphs share."""
     for unit in units:
         unit.set_reshard_after_forward(False)
         unit.unshard()
     try:
-        yield
+        with torch.compiler.set_stance('force_eager'):
+            yield
     finally:
         for unit in units:
             unit.set_reshard_after_forward(True)

@@ -31,7 +31,8 @@ def test_time_limit_fails_the_check_it_stops_and_skips_the_rest():
     """--time_limit: a check still running at the deadline is killed and reported FAIL, the checks after it are
     skipped (FAIL too), and bench.py exits 1; a short device lease then still returns a report. The children here
     need ~3 s each just to import torch, so 1 s stops the first."""
-    r = subprocess.run([sys.executable, 'bench.py', '--only=gpu', '--toy', '--variants=flex,bf16', '--time_limit=1'],
+    r = subprocess.run([sys.executable, 'bench.py', '--only=gpu', '--toy', '--variants=flex,bf16', '--jobs=1',
+                        '--time_limit=1'],
                        capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 1, r.stderr[-2000:]
     assert re.search(r'^\| flex \| FAIL \| timed out after \d+ s', r.stdout, re.M), r.stdout

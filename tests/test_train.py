@@ -338,17 +338,33 @@ def test_fsdp_two_ranks_with_eval(data_dir, tmp_path):
 
 COUNT_COMPILED = r'''
 import json, runpy, sys, torch
-calls, compile_ = [], torch.compile
-torch.compile = lambda fn=None, **kw: compile_(fn, **{**kw, 'backend': 'eager'})  # trace, do not build kernels
+graphs, calls, compile_ = [0], [], torch.compile
+
+
+def backend(gm, example_inputs):  # runs the traced graph as is (no kernel builds: seconds on CPU), counted
+    def run(*args):
+        graphs[0] += 1
+        return gm(*args)
+    return run
+
+
+torch.compile = lambda fn=None, **kw: compile_(fn, **{**kw, 'backend': backend})
 module_compile = torch.nn.Module.compile
-def counted_compile(self, *a, **kw):  # each compiled module's compiled calls, counted outside the compiled code
+
+
+def counted_compile(self, *a, **kw):  # per compiled module: its calls, and those that ran no compiled graph
     module_compile(self, *a, **kw)
     fn, i = self._compiled_call_impl, len(calls)
-    calls.append([type(self).__name__, 0])
+    calls.append([type(self).__name__, 0, 0])
     def call(*a, **kw):
-        calls[i][1] += 1
-        return fn(*a, **kw)
+        before, training = graphs[0], torch.is_grad_enabled()  # evals sample eager on purpose (skeleton.gathered)
+        out = fn(*a, **kw)
+        calls[i][1] += training
+        calls[i][2] += training and graphs[0] == before  # dynamo gave up (a recompile limit, an error): eager
+        return out
     self._compiled_call_impl = call
+
+
 torch.nn.Module.compile = counted_compile
 sys.argv = sys.argv[1:]
 try:
@@ -362,11 +378,16 @@ finally:
 def test_compile_compiles_what_training_runs(data_dir, tmp_path, script, request):
     """--compile=True compiles modules in place (each block, one by one); every one of them must run in training.
     gemma_bd's forward calls its decoder's layers itself, so compiling the decoder (as until 2026-12-04) compiled
-    nothing it ran. The compiler traces with the eager backend here (no kernel builds: seconds on CPU); bench.py
-    --only=gpu compares the compiled numbers with eager ones on a GPU."""
+    nothing it ran. Every compiled call in training must also run a traced graph, in a model deeper than dynamo's
+    recompile limit (8 per code object, shared by all blocks): a block whose graph guards on its own layer (the KV
+    cache a forward builds by default held each one's index) recompiles once per block, and past the limit runs eager,
+    silently. The backend here runs the traced graph as is (no kernel builds: seconds on CPU); bench.py --only=gpu
+    compares compiled and eager numbers."""
     import json
     out = str(tmp_path / 'out')
-    r = run('-c', COUNT_COMPILED, script, f'--data_dir={data_dir}', f'--out_dir={out}',
-            '--max_iters=1', '--compile=True', *TINY, '--eval_samples=0', *extra(script, request))
+    r = run('-c', COUNT_COMPILED, script, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=1',
+            '--compile=True', *TINY, '--n_layer=10', '--eval_samples=0', *extra(script, request))
     calls = json.loads(r.stdout.split('COMPILED ')[-1].splitlines()[0])
-    assert calls and all(n > 0 for _, n in calls), calls
+    assert calls and all(n > 0 for _, n, _ in calls), f'a compiled module that training never calls: {calls}'
+    assert all(eager == 0 for _, _, eager in calls), f'compiled calls that ran eager (recompile limit?): {calls}'
+

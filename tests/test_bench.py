@@ -33,7 +33,8 @@ def test_time_limit_fails_the_check_it_stops_and_skips_the_rest():
     need ~3 s each just to import torch, so 1 s stops the first."""
     r = subprocess.run([sys.executable, 'bench.py', '--only=gpu', '--toy', '--variants=flex,bf16', '--jobs=1',
                         '--time_limit=1'],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+                       capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 1, r.stderr[-2000:]
     assert re.search(r'^\| flex \| FAIL \| timed out after \d+ s', r.stdout, re.M), r.stdout
     assert re.search(r'^\| bf16 \| FAIL \| skipped: out of time', r.stdout, re.M), r.stdout

@@ -81,12 +81,13 @@ def test_float32_means_ieee_on_cuda_and_bfloat16_allows_tf32():
     import skeleton
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
-        assert skeleton.precision('auto', 'cuda')[0] == 'bfloat16' and torch.backends.cuda.matmul.allow_tf32
+        assert skeleton.precision('auto', 'cuda')[0] == 'bfloat16' and torch.backends.cuda.matmul.allow_tf32, \
+            'auto on CUDA: bfloat16 autocast with TF32'
         assert skeleton.precision('float32', 'cuda')[0] == 'float32'
-        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32, 'float32: no TF32'
         from torch._inductor.kernel.flex.flex_attention import get_float32_precision
-        assert get_float32_precision() == "'ieee'"
+        assert get_float32_precision() == "'ieee'", 'float32: flex kernels in IEEE float32'
         skeleton.precision('bfloat16', 'cuda')
-        assert get_float32_precision() == "'tf32'"
+        assert get_float32_precision() == "'tf32'", 'bfloat16: flex may use TF32 for what autocast leaves'
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

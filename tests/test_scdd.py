@@ -258,7 +258,7 @@ def test_uniform_ratio_zero_loss_is_the_mdlm_loss():
 @pytest.mark.parametrize('chunk', [1, 7, 0])
 def test_chunk_size_does_not_change_the_loss(chunk):
     import hf
-    torch.manual_seed(0)  # float64: chunking must be exact, and float32's summation order (2.5e-5 here) must not hide it
+    torch.manual_seed(0)  # float64: chunking must be exact, and float32's summation order (2.5e-5) must not hide it
     model = hf.build_model('scratch', vocab_size=40, n_layer=1, n_head=2, n_kv_head=2, n_embd=16, intermediate_size=32,
                            max_seq_len=64, bidirectional=True).double()
     B, T, m = 3, 11, 5

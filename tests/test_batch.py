@@ -103,8 +103,11 @@ def test_packing_reproduces_the_padded_loss(family):
     a, na = _loss(module, padded, kernels.dense_mask(mm, B, T, T))
     b, nb = _loss(module, packed, mask, packed['position_ids'])
     assert torch.allclose(a, b, rtol=1e-5) and int(na) == int(nb), (a, b)
-    # without the document mask, documents see each other and the loss changes (the mask is what makes it exact)
-    c, _ = _loss(module, packed, None, packed['position_ids'])
+    # without the document mask, documents see each other and the loss changes (the mask is what makes it exact);
+    # the plain mask given explicitly: given None and positions that restart, transformers masks documents itself
+    Bp, Tp = packed['input_ids'].shape
+    plain = (kernels.bidirectional if family == 'llada' else kernels.causal)()
+    c, _ = _loss(module, packed, kernels.dense_mask(plain, Bp, Tp, Tp), packed['position_ids'])
     assert not torch.allclose(a, c, rtol=1e-4)
 
 

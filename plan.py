@@ -17,8 +17,8 @@ plan counts, per GPU:
   - bf16 autocast's weight copies: autocast casts every fp32 weight the grad-tracked forward uses and autograd keeps
     the copy for backward (with activation checkpointing only the recomputed block's);
   - activations: what autograd saves for backward, per token and layer (dense_layer / moe_layer below: counted from
-    what transformers' Qwen3 / Llama / DiffusionGemma layers save, checked against a saved-tensor trace of the real
-    layers in tests/test_plan.py), times the tokens each family pushes through with grad: llada, ar, scdd one row of
+    what transformers' Qwen3 / Llama / DiffusionGemma layers save, eager or compiled, checked against a saved-tensor
+    trace of the real layers in tests/test_plan.py), times the tokens each family pushes through with grad: llada, ar, scdd one row of
     T; hybrid and idlm [x_t | x_0], 2T; gemma_bd [x0 | canvas] (its self-conditioning pass runs without grad); dflash
     the draft's blocks against the target's context (the target runs without grad and keeps only its tapped
     features). With activation checkpointing a block keeps only its input, and one block is recomputed at a time;
@@ -62,7 +62,7 @@ def dims(cfg):
                 softcap=float(g('final_logit_softcapping', default=0.0) or 0.0))
 
 
-def dense_layer(m, *, bf16, flex, kv_tokens=0):
+def dense_layer(m, *, bf16, flex, kv_tokens=0, compiled=False):
     """Bytes a Qwen3 / Llama decoder layer saves for backward, per token (attention probabilities excluded: SDPA,
     flex and flash keep only the log-sum-exp). The residual stream and RMSNorm's internals are fp32 (the norm upcasts;
     under autocast the residual sum of fp32 and bf16 is fp32); linears save their input, under autocast as a bf16
@@ -71,7 +71,11 @@ def dense_layer(m, *, bf16, flex, kv_tokens=0):
       fp32: x, normed, the linears' input per norm (3d each); q, k: proj output and normed (Qwen3 q/k-norm); SDPA's
             q, k, v, out; the MLP's gate, up, act, act*up (4f).
       bf16: the same with the norms' two fp32 tensors, the per-linear bf16 copies and bf16 projections.
-    kv_tokens: extra key/value tokens per query token (the dflash draft's context), which add their k/v path."""
+    kv_tokens: extra key/value tokens per query token (the dflash draft's context), which add their k/v path.
+    compiled: the layer under torch.compile, whose partitioner (AOTAutograd's min-cut) saves less and recomputes the
+      cheap pointwise ops in backward: per norm only its rsqrt and one normed copy (autocast's per-linear casts are
+      one cast), the q/k projections before their norms, the attention output projection's result instead of the
+      residual sum, and the MLP's gate, up and act*up, not act (traced on CPU in tests/test_plan.py)."""
     d, q, kv, f, h, kvh = m['d'], m['h'] * m['hd'], m['kvh'] * m['hd'], m['f'], m['h'], m['kvh']
     a = 2 if bf16 else 4  # bytes of a matmul's activation
     attn_kv = kv if flex else q  # k, v as SDPA receives them
@@ -82,19 +86,28 @@ def dense_layer(m, *, bf16, flex, kv_tokens=0):
     k_norm = ((4 + a) if bf16 else 8) * kv if m['qk_norm'] else 0  # the k half of qk, per key
     ctx = kv_tokens * (a * d + k_norm + 2 * a * attn_kv)  # the extra keys' path: k/v input, k-norm, k and v
     scalars = 4 * (2 + h + kvh)  # fp32 per token: the two norms' rsqrt, q/k-norm's rsqrt per head (SDPA's lse is in attn)
+    if compiled:
+        qk = a * (q + kv) + 4 * (h + kvh) if m['qk_norm'] else 0  # the projections before the norm, and its rsqrt
+        return 4 * d + 3 * a * d + 8 + qk + attn + 3 * a * f + ctx  # x, two normed copies + o_proj's out, two rsqrt
     return norms + qk + attn + mlp + scalars + ctx
 
 
-def moe_layer(m, *, bf16, flex):
+def moe_layer(m, *, bf16, flex, compiled=False):
     """Bytes a DiffusionGemma (Gemma 4 MoE) decoder layer saves per token: the dense layer's attention (k is v:
     one projection, with a v-norm) and sandwich norms, a dense MLP, and an MoE block (router, then each token's
-    top-k experts: the gathered input, fused gate_up, act, act*up, output per expert copy)."""
+    top-k experts: the gathered input, fused gate_up, act, act*up, output per expert copy). compiled: as in
+    dense_layer, the extra norms keep their rsqrt and the two inputs the MoE block's matmuls need, the experts their
+    gathered input, gate_up, act*up and output (act recomputed)."""
     d, k, fm, E = m['d'], m['k'], m['fm'], m['E']
     a = 2 if bf16 else 4
-    base = dense_layer(m, bf16=bf16, flex=flex)
+    base = dense_layer(m, bf16=bf16, flex=flex, compiled=compiled)
+    # the experts run in fp32 under autocast too: their grouped matmuls are not on autocast's list and take the
+    # residual stream's fp32 (traced on CPU; tests/test_plan.py)
+    if compiled:
+        return base + 2 * a * d + 4 * 5 + 4 * E + 12 * k + k * (2 * FLOAT * d + 3 * FLOAT * fm + 24)
     extra_norms = 8 * 4 * d + (8 if bf16 else 0) * d  # post-attention, pre/post feed-forward x2, router norm
     router = 3 * 4 * d + 4 * E + 24 * k
-    experts = k * (2 * a * d + 4 * a * fm + 24)
+    experts = k * (2 * FLOAT * d + 4 * FLOAT * fm + 24)
     return base + extra_norms + router + experts
 
 
@@ -184,6 +197,7 @@ def plan(family, c, world=1, gpu_gib=80.0, device='cuda'):
     bf16 = dtype == 'bfloat16' or (dtype == 'auto' and cuda)
     flex = attn == 'flex_attention' or (cuda and attn == 'auto')
     ckpt = bool(c.get('activation_checkpointing'))
+    comp = bool(c.get('compile'))  # every family compiles its blocks one by one (gemma_bd its decoder layers)
     fsdp = bool(c.get('fsdp')) and world > 1
     shard = world if fsdp else 1
     accum = micro_steps(c.get('gradient_accumulation_steps', 1), world)  # one line, exit 2 when it does not divide
@@ -211,12 +225,12 @@ def plan(family, c, world=1, gpu_gib=80.0, device='cuda'):
     # the tokens each micro-step pushes through with grad: rows x tok, each query against `keys` keys
     d, L, V = m['d'], m['L'], m['V']
     moe = family == 'gemma_bd' and m['E'] > 0
-    layer = moe_layer(m, bf16=bf16, flex=flex) if moe else dense_layer(m, bf16=bf16, flex=flex)
+    layer = (moe_layer if moe else dense_layer)(m, bf16=bf16, flex=flex, compiled=comp)
     tok = keys = 2 * T if family in ('hybrid', 'idlm', 'gemma_bd') else T  # [x_t | x_0]; gemma_bd [x0 | canvas]
     if family == 'dflash':  # the draft's blocks, each query against the target's context and its own block
         tok = c['num_blocks_per_sample'] * model.block_size
         keys = T + tok
-        layer = dense_layer(m, bf16=bf16, flex=flex, kv_tokens=T / tok)
+        layer = dense_layer(m, bf16=bf16, flex=flex, kv_tokens=T / tok, compiled=comp)
     if attn == 'eager':
         layer += 2 * FLOAT * m['h'] * keys  # eager softmax keeps the probabilities
 

@@ -30,4 +30,4 @@ gen_length = 256
 dtype = 'bfloat16'
 compile = True
 fsdp = True
-activation_checkpointing = True  # plan.py (--plan=8x80, Qwen3-8B): 113 GiB per GPU without (4096-token rows, doubled by [x_t | x_0]), 34 GiB with
+activation_checkpointing = True  # plan.py (--plan=8x80, Qwen3-8B): 83 GiB per GPU without (4096-token rows, doubled by [x_t | x_0]; compiled), 33 GiB with

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, T = 2, 10
 
 
-def saved_bytes(model, bf16):
+def saved_bytes(model, bf16, compiled=False):
     """Bytes of the distinct non-parameter tensors autograd saves in a forward of model's decoder (B, T)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
@@ -29,8 +29,16 @@ def saved_bytes(model, bf16):
     x = torch.randint(0, 64, (B, T))
     mask = torch.ones(B, 1, T, T, dtype=torch.bool)
     with torch.autocast('cpu', torch.bfloat16, enabled=bf16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model(input_ids=x, attention_mask=mask)
+        model.model(input_ids=x, attention_mask=mask, use_cache=False)
     return sum(seen.values())
+
+
+def compile_layers(model, layers):
+    """Compile each layer in place with inductor, as the families' --compile does (hf.blocks); a fresh dynamo."""
+    torch._dynamo.reset()
+    for layer in layers:
+        layer.compile()
+    return model
 
 
 def dense(model_type, n_layer):
@@ -53,8 +61,24 @@ def test_dense_layer_is_what_autograd_saves(model_type, bf16):
     assert counted == pytest.approx(traced, rel=0.02), (traced, counted)
 
 
-def test_moe_layer_is_what_autograd_saves():
-    """DiffusionGemma's MoE layer (sandwich norms, dense MLP, router, top-k experts) in fp32."""
+@pytest.mark.parametrize('model_type,bf16', [('qwen3', True), ('llama', False)])
+def test_compiled_dense_layer_is_what_autograd_saves(model_type, bf16):
+    """Under torch.compile (each layer compiled with inductor, as --compile does) autograd keeps what AOTAutograd's
+    partitioner chose to save, and recomputes the rest in backward: one more layer adds what
+    plan.dense_layer(compiled=True) counts, which is far less than the eager count (traced on CPU; the partitioner's
+    choices do not depend on the device)."""
+    traced = (saved_bytes(compile_layers(d := dense(model_type, 2), d.model.layers), bf16)
+              - saved_bytes(compile_layers(d := dense(model_type, 1), d.model.layers), bf16)) / (B * T)
+    m = plan.dims(dense(model_type, 1).config)
+    counted = plan.dense_layer(m, bf16=bf16, flex=False, compiled=True)
+    assert counted == pytest.approx(traced, rel=0.02), (traced, counted)
+    assert traced < 0.8 * plan.dense_layer(m, bf16=bf16, flex=False)
+
+
+@pytest.mark.parametrize('bf16,compiled', [(False, False), (True, False), (True, True)])
+def test_moe_layer_is_what_autograd_saves(bf16, compiled):
+    """DiffusionGemma's MoE layer (sandwich norms, dense MLP, router, top-k experts, which stay fp32 under
+    autocast), eager in fp32 and bf16 autocast, and compiled (inductor, each layer) under bf16 autocast."""
     import hf
 
     def gemma(n):
@@ -64,22 +88,29 @@ def test_moe_layer_is_what_autograd_saves():
 
     def traced(model):
         dec = model.model.decoder
+        if compiled:
+            compile_layers(model, dec.layers)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # autocast's bf16 weight copies (the plan counts them apart): a weight's shape, transposed, or an expert's
+        shapes = {s for p in model.parameters() for s in (tuple(p.shape), tuple(p.shape)[::-1], tuple(p.shape)[-2:],
+                                                          tuple(p.shape)[-2:][::-1])}
         seen = {}
 
         def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            s = t.untyped_storage()
+            if s.data_ptr() not in params and not (bf16 and tuple(t.shape) in shapes):
+                seen[s.data_ptr()] = s.nbytes()
             return t
         h = dec.embed_tokens(torch.randint(0, 64, (B, T)))
         pos = torch.arange(T).expand(B, T)
         types = model.config.get_text_config().layer_types
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast('cpu', torch.bfloat16, enabled=bf16), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             for layer, t in zip(dec.layers, types):
                 h = layer(h, position_embeddings=dec.rotary_emb(h, pos, t), attention_mask=None, position_ids=pos)
         return sum(seen.values())
     per_layer = (traced(gemma(2)) - traced(gemma(1))) / (B * T)
-    counted = plan.moe_layer(plan.dims(gemma(1).config), bf16=False, flex=False)
+    counted = plan.moe_layer(plan.dims(gemma(1).config), bf16=bf16, flex=False, compiled=compiled)
     assert counted == pytest.approx(per_layer, rel=0.05), (per_layer, counted)
 
 

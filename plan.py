@@ -32,8 +32,9 @@ the gradients of earlier micro-steps) and the optimizer step (gradients and temp
 batch can hold: max_seq_len, or the prepared data's longest example when shorter (raw text fills every row).
 
 Measured against the peak RSS of real CPU runs of every family at two sizes: `python bench.py --only=plan`
-(docs/benchmarks.md). What it does not count: the CUDA context and the caching allocator's fragmentation (keep
-~10 % free), NCCL buffers, eval and sampling (no grad, smaller), torch.compile's workspace.
+(docs/benchmarks.md). What it does not count: the CUDA context and the caching allocator's fragmentation, NCCL
+buffers, eval and sampling (no grad, smaller), torch.compile's workspace: "fits" leaves 10 % of the GPU for them, 20 %
+for compiled runs (whose plans were ~8 % under an H200's measured peak).
 """
 import json
 import os
@@ -84,8 +85,10 @@ def dense_layer(m, *, bf16, flex, kv_tokens=0, compiled=False):
     attn = a * (q + 2 * attn_kv + q) + 4 * h
     mlp = 4 * a * f
     k_norm = ((4 + a) if bf16 else 8) * kv if m['qk_norm'] else 0  # the k half of qk, per key
+    if compiled:  # compiled: the k projection before its norm, and the norm's rsqrt per head
+        k_norm = a * kv + 4 * kvh if m['qk_norm'] else 0
     ctx = kv_tokens * (a * d + k_norm + 2 * a * attn_kv)  # the extra keys' path: k/v input, k-norm, k and v
-    scalars = 4 * (2 + h + kvh)  # fp32 per token: the two norms' rsqrt, q/k-norm's rsqrt per head (SDPA's lse is in attn)
+    scalars = 4 * (2 + (h + kvh if m['qk_norm'] else 0))  # fp32: the norms' rsqrt, q/k-norm's per head (lse: attn)
     if compiled:
         qk = a * (q + kv) + 4 * (h + kvh) if m['qk_norm'] else 0  # the projections before the norm, and its rsqrt
         return 4 * d + 3 * a * d + 8 + qk + attn + 3 * a * f + ctx  # x, two normed copies + o_proj's out, two rsqrt
@@ -101,8 +104,8 @@ def moe_layer(m, *, bf16, flex, compiled=False):
     d, k, fm, E = m['d'], m['k'], m['fm'], m['E']
     a = 2 if bf16 else 4
     base = dense_layer(m, bf16=bf16, flex=flex, compiled=compiled)
-    # the experts run in fp32 under autocast too: their grouped matmuls are not on autocast's list and take the
-    # residual stream's fp32 (traced on CPU; tests/test_plan.py)
+    # the experts run in fp32 under autocast too: transformers' grouped_mm path casts their input to the weights'
+    # dtype, and autocast never casts the expert weights, fp32 masters here (traced on CPU; tests/test_plan.py)
     if compiled:
         return base + 2 * a * d + 4 * 5 + 4 * E + 12 * k + k * (2 * FLOAT * d + 3 * FLOAT * fm + 24)
     extra_norms = 8 * 4 * d + (8 if bf16 else 0) * d  # post-attention, pre/post feed-forward x2, router norm
@@ -215,12 +218,18 @@ def plan(family, c, world=1, gpu_gib=80.0, device='cuda'):
     trained = lora_params(model, c.get('lora_r', 0), c.get('lora_target_modules', 'all-linear')) or \
         sum(p.numel() for n, p in model.named_parameters() if not frozen(n))
     P_target = sum(p.numel() for p in target.parameters()) if target is not None else 0
+    # the weights bf16 autocast casts (and keeps for backward): not the MoE experts (their matmuls take the weights'
+    # dtype, see moe_layer), nor a vision tower that text training never runs
+    cast = lambda mod: sum(p.numel() for n, p in mod.named_parameters() if '.experts.' not in f'.{n}'
+                           and 'vision' not in n)
     try:
         units = [u if isinstance(u, list) else [u] for u in hf.shard_units(model)]
         unit = max(sum(p.numel() for p in u[0].parameters()) for u in units)
+        unit_cast = max(cast(u[0]) for u in units)
         root = P - sum(sum(p.numel() for p in u[0].parameters()) for u in units)  # embeddings, head, final norm
     except ValueError:
         unit, root = P // max(m['L'], 1), 0
+        unit_cast = cast(model) // max(m['L'], 1)
 
     # the tokens each micro-step pushes through with grad: rows x tok, each query against `keys` keys
     d, L, V = m['d'], m['L'], m['V']
@@ -245,8 +254,8 @@ def plan(family, c, world=1, gpu_gib=80.0, device='cuda'):
         b += 2 * tok * d * FLOAT  # the chunked CE: the supervised rows' hidden states and their gradient (at most)
         if family == 'gemma_bd':  # self-conditioning: pass 1's canvas logits and pass 2's saved softmax, fp32
             b += 2 * T * V * FLOAT
-        wide = max(m['f'], m['k'] * m['fm']) if moe else m['f']
-        return b + tok * (3 * wide + 2 * d) * a  # the first block's backward: gradients of its widest tensors
+        wide = max(m['f'] * a, m['k'] * m['fm'] * FLOAT) if moe else m['f'] * a  # the experts' are fp32
+        return b + tok * (3 * wide + 2 * d * a)  # the first block's backward: gradients of its widest tensors
 
     n_ce = 2 if family in ('hybrid', 'gemma_bd', 'idlm') else 1  # two losses, two chunked CE calls
     ce = n_ce * V * d * FLOAT * (family != 'dflash')  # the (V, d) fp32 weight gradient (dflash's head is frozen)
@@ -257,21 +266,24 @@ def plan(family, c, world=1, gpu_gib=80.0, device='cuda'):
     step_tmp = 0 if cuda else trained * FLOAT / shard  # foreach AdamW's denominators (fused CUDA AdamW: none)
     ddp = trained * FLOAT if world > 1 and not fsdp else 0  # DDP's gradient buckets, a second copy
     gathered = (2 * unit + root) * FLOAT if fsdp else 0  # computing + prefetched block; the root stays gathered
-    casts = lambda ckpt: 2 * (unit if ckpt else P) if bf16 else 0  # autocast's bf16 weight copies, kept for backward
+    casts = lambda ckpt: 2 * (unit_cast if ckpt else cast(model)) if bf16 else 0  # autocast's bf16 weight copies
     static = weights + adam + gathered + ddp
     step = grads + step_tmp  # the optimizer step: gradients and its temporaries
 
     def total(rows, ckpt):
         return static + max(ce + casts(ckpt) + (grads if accum > 1 else 0) + rows * per_row(ckpt), step)
 
-    budget = gpu_gib * GiB * 0.9
+    # usable: the rest is for what the plan does not count (CUDA context, fragmentation, NCCL, compile's workspace).
+    # Compiled runs get less: on an H200 their plans were ~8 % under the measured peak (docs/gpu.md)
+    usable = 0.8 if comp else 0.9
+    budget = gpu_gib * GiB * usable
 
     def max_rows(ckpt):
         room = budget - static - ce - casts(ckpt) - (grads if accum > 1 else 0)
         return int(room // per_row(ckpt)) if room > 0 and static + step <= budget else 0
     peak = total(B, ckpt)
-    return dict(family=family, world=world, fsdp=fsdp, bf16=bf16, flex=flex, ckpt=ckpt, T=T, rows=B, tokens=tok,
-                accum=accum, params=P, trained=trained, target=P_target, weights=weights, grads=grads, adam=adam,
+    return dict(family=family, world=world, fsdp=fsdp, bf16=bf16, flex=flex, ckpt=ckpt, usable=usable, T=T, rows=B,
+                tokens=tok, accum=accum, params=P, trained=trained, target=P_target, weights=weights, grads=grads, adam=adam,
                 step_tmp=step_tmp, ddp=ddp, gathered=gathered, casts=casts(ckpt), acts=B * per_row(ckpt), ce=ce,
                 total=peak, gpu=gpu_gib * GiB, fits=peak <= budget, tokens_per_step=B * T * accum * world,
                 max_rows=max_rows(ckpt), max_rows_ckpt=max_rows(True))
@@ -301,7 +313,7 @@ def report(p):
     lines += [f"  activations      {g(p['acts'])}  (+ per-row loss buffers, the first backward block)",
               f"  loss buffers     {g(p['ce'])}",
               f"  peak             {g(p['total'])}  ({p['total'] / 2**20:,.0f} MiB) of {p['gpu'] / GiB:.0f} GiB: "
-              + ('fits' if p['fits'] else 'does NOT fit') + ' (90 % usable)',
+              + ('fits' if p['fits'] else 'does NOT fit') + f" ({p['usable'] * 100:.0f} % usable)",
               f"  largest micro-batch that fits: {p['max_rows']} rows"
               + ('' if p['ckpt'] else f", {p['max_rows_ckpt']} with activation_checkpointing=True")]
     return '\n'.join(lines)

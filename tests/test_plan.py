@@ -15,70 +15,88 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, T = 2, 10
 
 
-def saved_bytes(model, bf16, compiled=False):
-    """Bytes of the distinct non-parameter tensors autograd saves in a forward of model's decoder (B, T)."""
+def saved(model, bf16):
+    """(activation bytes, weight-cast bytes) of the distinct non-parameter tensors autograd saves in a forward of
+    model's decoder (B, T): a tensor shaped like a weight (or its transpose) is autocast's copy of it."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
-    seen = {}
+    acts, casts = {}, {}
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in params and tuple(t.shape) not in shapes:  # not a weight, nor its bf16 cast
-            seen[s.data_ptr()] = s.nbytes()
+        if s.data_ptr() not in params:
+            (casts if tuple(t.shape) in shapes else acts)[s.data_ptr()] = s.nbytes()
         return t
     x = torch.randint(0, 64, (B, T))
     mask = torch.ones(B, 1, T, T, dtype=torch.bool)
     with torch.autocast('cpu', torch.bfloat16, enabled=bf16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.model(input_ids=x, attention_mask=mask, use_cache=False)
-    return sum(seen.values())
+    return sum(acts.values()), sum(casts.values())
+
+
+def saved_bytes(model, bf16):
+    """Bytes of the activations autograd saves (weights and their bf16 casts left out)."""
+    return saved(model, bf16)[0]
 
 
 def compile_layers(model, layers):
-    """Compile each layer in place with inductor, as the families' --compile does (hf.blocks); a fresh dynamo."""
+    """Compile each layer in place, as the families' --compile does (hf.blocks), on a fresh dynamo. The backend runs
+    AOTAutograd's min-cut partitioner, inductor's, without building kernels: the same saved tensors (checked for
+    every case here) in a fraction of the time."""
     torch._dynamo.reset()
     for layer in layers:
-        layer.compile()
+        layer.compile(backend='aot_eager_decomp_partition')
     return model
 
 
-def dense(model_type, n_layer):
+# two shapes, the second with no dimension a multiple of another, so a term counted at the wrong width shows
+DIMS = {'a': dict(hidden_size=96, intermediate_size=320, num_attention_heads=8, num_key_value_heads=2, head_dim=16),
+        'b': dict(hidden_size=90, intermediate_size=200, num_attention_heads=6, num_key_value_heads=2, head_dim=14)}
+
+
+def dense(model_type, n_layer, dims='a'):
     cls = {'qwen3': transformers.Qwen3Config, 'llama': transformers.LlamaConfig}[model_type]
-    cfg = cls(vocab_size=64, hidden_size=96, intermediate_size=320, num_hidden_layers=n_layer, num_attention_heads=8,
-              num_key_value_heads=2, head_dim=16, attn_implementation='sdpa')
+    cfg = cls(vocab_size=64, num_hidden_layers=n_layer, attn_implementation='sdpa', **DIMS[dims])
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
+@pytest.mark.parametrize('dims', ['a', 'b'])
 @pytest.mark.parametrize('model_type', ['qwen3', 'llama'])
 @pytest.mark.parametrize('bf16', [False, True])
-def test_dense_layer_is_what_autograd_saves(model_type, bf16):
+def test_dense_layer_is_what_autograd_saves(model_type, bf16, dims):
     """One more layer adds exactly what plan.dense_layer counts per token (the shared mask and RoPE tables cancel in
-    the difference), in fp32 and under bf16 autocast, with SDPA's repeated k/v (GQA 8:2 here)."""
-    one = saved_bytes(dense(model_type, 1), bf16)
-    two = saved_bytes(dense(model_type, 2), bf16)
-    traced = (two - one) / (B * T)
-    counted = plan.dense_layer(plan.dims(dense(model_type, 1).config), bf16=bf16, flex=False)
-    assert counted == pytest.approx(traced, rel=0.02), (traced, counted)
+    the difference), in fp32 and under bf16 autocast, with SDPA's repeated k/v (GQA here). Under autocast it also
+    keeps a bf16 copy of each of its weights (the plan's casts: 2 bytes a parameter)."""
+    (a1, c1), (a2, c2) = saved(dense(model_type, 1, dims), bf16), saved(dense(model_type, 2, dims), bf16)
+    counted = plan.dense_layer(plan.dims(dense(model_type, 1, dims).config), bf16=bf16, flex=False)
+    assert counted == pytest.approx((a2 - a1) / (B * T), rel=0.02), ((a2 - a1) / (B * T), counted)
+    layer_params = sum(p.numel() for p in dense(model_type, 1, dims).model.layers[0].parameters())
+    assert c2 - c1 == pytest.approx(2 * layer_params * bf16, rel=0.02)
 
 
-@pytest.mark.parametrize('model_type,bf16', [('qwen3', True), ('llama', False)])
-def test_compiled_dense_layer_is_what_autograd_saves(model_type, bf16):
-    """Under torch.compile (each layer compiled with inductor, as --compile does) autograd keeps what AOTAutograd's
-    partitioner chose to save, and recomputes the rest in backward: one more layer adds what
-    plan.dense_layer(compiled=True) counts, which is far less than the eager count (traced on CPU; the partitioner's
-    choices do not depend on the device)."""
-    traced = (saved_bytes(compile_layers(d := dense(model_type, 2), d.model.layers), bf16)
-              - saved_bytes(compile_layers(d := dense(model_type, 1), d.model.layers), bf16)) / (B * T)
-    m = plan.dims(dense(model_type, 1).config)
+@pytest.mark.parametrize('dims', ['a', 'b'])
+@pytest.mark.parametrize('model_type', ['qwen3', 'llama'])
+@pytest.mark.parametrize('bf16', [False, True])
+def test_compiled_dense_layer_is_what_autograd_saves(model_type, bf16, dims):
+    """Under torch.compile (each layer compiled, as --compile does) autograd keeps what AOTAutograd's partitioner
+    chose to save and recomputes the rest in backward: one more layer adds what plan.dense_layer(compiled=True)
+    counts, far less than the eager count, and the same bf16 weight copies (traced on CPU with SDPA; the CUDA
+    peaks this was compared with are in docs/gpu.md)."""
+    (a1, c1), (a2, c2) = [saved(compile_layers(d, d.model.layers), bf16)
+                          for d in (dense(model_type, 1, dims), dense(model_type, 2, dims))]
+    m = plan.dims(dense(model_type, 1, dims).config)
     counted = plan.dense_layer(m, bf16=bf16, flex=False, compiled=True)
-    assert counted == pytest.approx(traced, rel=0.02), (traced, counted)
-    assert traced < 0.8 * plan.dense_layer(m, bf16=bf16, flex=False)
+    assert counted == pytest.approx((a2 - a1) / (B * T), rel=0.02), ((a2 - a1) / (B * T), counted)
+    assert counted < 0.8 * plan.dense_layer(m, bf16=bf16, flex=False)
+    layer_params = sum(p.numel() for p in dense(model_type, 1, dims).model.layers[0].parameters())
+    assert c2 - c1 == pytest.approx(2 * layer_params * bf16, rel=0.02)
 
 
-@pytest.mark.parametrize('bf16,compiled', [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize('bf16,compiled', [(False, False), (True, False), (False, True), (True, True)])
 def test_moe_layer_is_what_autograd_saves(bf16, compiled):
     """DiffusionGemma's MoE layer (sandwich norms, dense MLP, router, top-k experts, which stay fp32 under
-    autocast), eager in fp32 and bf16 autocast, and compiled (inductor, each layer) under bf16 autocast."""
+    autocast), eager in fp32 and bf16 autocast, and compiled (the partitioner, each layer), both in fp32 and under bf16 autocast."""
     import hf
 
     def gemma(n):
@@ -104,14 +122,16 @@ def test_moe_layer_is_what_autograd_saves(bf16, compiled):
         h = dec.embed_tokens(torch.randint(0, 64, (B, T)))
         pos = torch.arange(T).expand(B, T)
         types = model.config.get_text_config().layer_types
+        mask = torch.ones(B, 1, T, T, dtype=torch.bool)  # as training passes one (without, SDPA skips repeat_kv)
         with torch.autocast('cpu', torch.bfloat16, enabled=bf16), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            rope = {t: dec.rotary_emb(h, pos, t) for t in set(types)}  # once per layer type, as training does
             for layer, t in zip(dec.layers, types):
-                h = layer(h, position_embeddings=dec.rotary_emb(h, pos, t), attention_mask=None, position_ids=pos)
+                h = layer(h, position_embeddings=rope[t], attention_mask=mask, position_ids=pos)
         return sum(seen.values())
     per_layer = (traced(gemma(2)) - traced(gemma(1))) / (B * T)
     counted = plan.moe_layer(plan.dims(gemma(1).config), bf16=bf16, flex=False, compiled=compiled)
-    assert counted == pytest.approx(per_layer, rel=0.05), (per_layer, counted)
+    assert counted == pytest.approx(per_layer, rel=0.035), (per_layer, counted)
 
 
 def run_plan(tmp_path, *args, script='ar.py'):

@@ -18,10 +18,11 @@ plan counts, per GPU:
     the copy for backward (with activation checkpointing only the recomputed block's);
   - activations: what autograd saves for backward, per token and layer (dense_layer / moe_layer below: counted from
     what transformers' Qwen3 / Llama / DiffusionGemma layers save, eager or compiled, checked against a saved-tensor
-    trace of the real layers in tests/test_plan.py), times the tokens each family pushes through with grad: llada, ar, scdd one row of
-    T; hybrid and idlm [x_t | x_0], 2T; gemma_bd [x0 | canvas] (its self-conditioning pass runs without grad); dflash
-    the draft's blocks against the target's context (the target runs without grad and keeps only its tapped
-    features). With activation checkpointing a block keeps only its input, and one block is recomputed at a time;
+    trace of the real layers in tests/test_plan.py), times the tokens each family pushes through with grad: llada,
+    ar, scdd one row of T; hybrid and idlm [x_t | x_0], 2T; gemma_bd [x0 | canvas] (its self-conditioning pass runs
+    without grad); dflash the draft's blocks against the target's context (the target runs without grad and keeps
+    only its tapped features). With activation checkpointing a block keeps only its input, and one block is
+    recomputed at a time;
   - the dense attention mask (SDPA and eager; a flex BlockMask is negligible), and the first block's backward
     transients (the gradients of its widest intermediates) on top of all of that;
   - the chunked cross-entropy's buffers (kernels.chunked_cross_entropy: the (V, d) fp32 weight gradient, the
@@ -283,9 +284,9 @@ def plan(family, c, world=1, gpu_gib=80.0, device='cuda'):
         return int(room // per_row(ckpt)) if room > 0 and static + step <= budget else 0
     peak = total(B, ckpt)
     return dict(family=family, world=world, fsdp=fsdp, bf16=bf16, flex=flex, ckpt=ckpt, usable=usable, T=T, rows=B,
-                tokens=tok, accum=accum, params=P, trained=trained, target=P_target, weights=weights, grads=grads, adam=adam,
-                step_tmp=step_tmp, ddp=ddp, gathered=gathered, casts=casts(ckpt), acts=B * per_row(ckpt), ce=ce,
-                total=peak, gpu=gpu_gib * GiB, fits=peak <= budget, tokens_per_step=B * T * accum * world,
+                tokens=tok, accum=accum, params=P, trained=trained, target=P_target, weights=weights, grads=grads,
+                adam=adam, step_tmp=step_tmp, ddp=ddp, gathered=gathered, casts=casts(ckpt), acts=B * per_row(ckpt),
+                ce=ce, total=peak, gpu=gpu_gib * GiB, fits=peak <= budget, tokens_per_step=B * T * accum * world,
                 max_rows=max_rows(ckpt), max_rows_ckpt=max_rows(True))
 
 

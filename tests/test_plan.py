@@ -96,7 +96,7 @@ def test_compiled_dense_layer_is_what_autograd_saves(model_type, bf16, dims):
 @pytest.mark.parametrize('bf16,compiled', [(False, False), (True, False), (False, True), (True, True)])
 def test_moe_layer_is_what_autograd_saves(bf16, compiled):
     """DiffusionGemma's MoE layer (sandwich norms, dense MLP, router, top-k experts, which stay fp32 under
-    autocast), eager in fp32 and bf16 autocast, and compiled (the partitioner, each layer), both in fp32 and under bf16 autocast."""
+    autocast), eager and compiled (the partitioner, each layer), in fp32 and under bf16 autocast."""
     import hf
 
     def gemma(n):

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 import hf
 import dlm_kernels as kernels
-from skeleton import (init_distributed, precision, print0, all_sum, finish, get_lr, settings_error, die_at, save_run,
+from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at, save_run,
                       open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered, adamw,
                       full_state, resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, fill_length,
                       exact_match, lora_for_run, micro_steps, eval_rows)
@@ -145,6 +145,8 @@ def family_settings_error(c):
         return f"eps={c['eps']} must be in (0, 1)"
     if c['eos_fill'] < 0 or c['mask_id'] < -1:
         return f"eos_fill={c['eos_fill']} must be >= 0 and mask_id={c['mask_id']} >= -1 (-1: from meta.json)"
+    if c['curriculum_iter'] < 0:
+        return f"curriculum_iter={c['curriculum_iter']} must be >= 0"
     return None
 
 # -----------------------------------------------------------------------------
@@ -177,6 +179,12 @@ if __name__ == '__main__':
     eos_fill = 32  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length),
     #                so a sampling canvas longer than the answer stays in distribution (docs/llada.md); 0 = off
     pack = False  # pack several examples per row of max_seq_len (per-document attention) instead of padding
+    curriculum_data = 'auto'  # from step curriculum_iter on, train on this task's or prepared dir's train split (the
+    # same tokenizer; val stays data_dir's): 'auto' = 'add_short' when training on add, else '' (off). On uniform add
+    # 9 of 10 second operands have 3 digits, so a run can sit at ~86-91 % reading the first operand at a fixed offset
+    # from the prompt's end; add_short (a quarter short) makes that cost. From step 0 it kept a run on the first
+    # plateau, so it starts after every run has left it (docs/llada.md)
+    curriculum_iter = 1000  # the step the train split switches to curriculum_data (lr 5e-3: first exits 390-630)
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
     n_layer = 4  # transformer layers (scratch)
@@ -194,7 +202,8 @@ if __name__ == '__main__':
     # is the step. Capping 1/p at 10 is one of three changes after which every swept run left its
     # plateau (docs/llada.md)
     # optimizer
-    learning_rate = 3e-3  # peak AdamW learning rate (3e-3 leaves the add plateau ~250 steps sooner than 2e-3)
+    learning_rate = 5e-3  # peak AdamW learning rate: on add, 5e-3 leaves the first plateau by step ~600 on every
+    # seed tried (3e-3: one at step 1,010, after the curriculum's switch; docs/defaults.md)
     max_iters = 2000  # optimizer steps
     weight_decay = 0.1  # AdamW weight decay (2-D weights only)
     beta1 = 0.9  # AdamW beta1
@@ -244,9 +253,18 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # data
-    data_dir, train_ds, val_ds, meta, tokenizer, text = open_data(
-        dataset, data_dir, max_seq_len, 'byte' if init_from in ('scratch', 'resume') else init_from)
+    if curriculum_data == 'auto':
+        curriculum_data = 'add_short' if dataset == 'add' and not data_dir else ''
+    tokenizer_source = 'byte' if init_from in ('scratch', 'resume') else init_from
+    data_dir, train_ds, val_ds, meta, tokenizer, text = open_data(dataset, data_dir, max_seq_len, tokenizer_source)
     pad_id, eos_id = meta['pad_id'], meta['eos_id']
+    late_ds = None  # the train split from step curriculum_iter on (None: train_ds throughout)
+    if curriculum_data and curriculum_iter < max_iters:
+        late_dir, late_ds, _, late_meta, _, late_text = open_data(curriculum_data, '', max_seq_len, tokenizer_source)
+        same = ('tokenizer', 'tokenizer_path', 'vocab_size', 'pad_id', 'eos_id')
+        if late_text or text or any(late_meta.get(k) != meta.get(k) for k in same):
+            fail(f"curriculum_data={curriculum_data}: {late_dir} must be chat data with {data_dir}'s tokenizer "
+                 f"(the same {', '.join(same)})", 2)
 
     def get_batch(ds, idx, seeds, fill_to):
         """The micro-batch dict of examples idx (B,): collated (or packed), corrupted with per-row seeds (B,)."""
@@ -337,7 +355,7 @@ if __name__ == '__main__':
     lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
     resumed = resolve_config(config, saved, start_step, device=device, dtype=dtype, mask_id=mask_id,
                              lr_decay_iters=lr_decay_iters, data_dir=data_dir, attn_implementation=attn_implementation,
-                             world_size=ddp_world_size)
+                             world_size=ddp_world_size, curriculum_data=curriculum_data)
     log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
     saver = Saver(ckpt_interval, ckpt_interval_min, device, eval_interval=eval_interval, max_iters=max_iters,
                   evaluate=evaluate, save=save_checkpoint, log=log, ckpt_path=ckpt_path)
@@ -350,11 +368,12 @@ if __name__ == '__main__':
             group['lr'] = lr
         # collate + corrupt every micro-batch first: the loss denominator is the GLOBAL supervised count
         micro, fill_to = [], fill_length(seed, step, eos_fill)
+        ds = late_ds if late_ds is not None and step >= curriculum_iter else train_ds
         for m in range(grad_accum):
-            idx = batch_indices(len(train_ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
+            idx = batch_indices(len(ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
                                 world_size=ddp_world_size, grad_accum=grad_accum)
             rows = global_rows(batch_size, micro_step=m, rank=ddp_rank, world_size=ddp_world_size)
-            micro.append(get_batch(train_ds, idx, corruption_seeds(seed, step, rows, global_batch), fill_to))
+            micro.append(get_batch(ds, idx, corruption_seeds(seed, step, rows, global_batch), fill_to))
         counts = torch.tensor([sum(mb['loss_mask'].sum() for mb in micro), sum(mb['noise'].sum() for mb in micro),
                                sum(mb['input_ids'].numel() for mb in micro)], dtype=torch.float64, device=device)
         n_sup, n_noise, n_tok = all_sum(counts).tolist()

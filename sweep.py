@@ -53,20 +53,22 @@ FAMILIES = {
     ],
 }
 TASK = {'sudoku': 'sudoku'}  # the synthetic task each family's default trains on (else 'add')
+LATE = {'llada': 'add_short'}  # a second train split the default switches to (curriculum_data): not fresh either
 
 
-def fresh_problems(task, n, data_dir, seed=7):
-    """The first n records of make_problems(task, ., seed) whose prompt is in neither split of data_dir: problems no
+def fresh_problems(task, n, data_dirs, seed=7):
+    """The first n records of make_problems(task, ., seed) whose prompt is in no split of data_dirs: problems no
     run has seen, the same for every run of a sweep."""
     sys.path.insert(0, HERE)
     from data.synthetic import make_problems
     seen = set()
-    for split in ('train', 'val'):
-        with open(os.path.join(data_dir, f'{split}.jsonl')) as f:
-            seen.update(json.loads(line)['messages'][0]['content'] for line in f)
+    for d in data_dirs:
+        for split in ('train', 'val'):
+            with open(os.path.join(d, f'{split}.jsonl')) as f:
+                seen.update(json.loads(line)['messages'][0]['content'] for line in f)
     out = [r for r in make_problems(task, 2 * n + len(seen), seed) if r['messages'][0]['content'] not in seen][:n]
     if len(out) < n:
-        raise SystemExit(f'error: only {len(out)} fresh {task} problems outside {data_dir}')
+        raise SystemExit(f"error: only {len(out)} fresh {task} problems outside {', '.join(data_dirs)}")
     return out
 
 
@@ -146,7 +148,9 @@ def main(argv=None):
                 with lock:
                     if not os.path.exists(fresh_path):  # after the first run: its data dir exists now
                         from data.synthetic import write_jsonl
-                        write_jsonl(fresh_problems(task, a.n_fresh, data_dir), fresh_path)
+                        late = [os.path.join(HERE, 'data', LATE[a.family])] if a.family in LATE else []
+                        write_jsonl(fresh_problems(task, a.n_fresh, [data_dir] + [d for d in late
+                                                                                  if os.path.isdir(d)]), fresh_path)
                 erc, _, etext = run(['sample.py', '--checkpoint', dirs[stage], '--eval', fresh_path],
                                     env, dirs[stage] + '.eval.log')
                 m = re.findall(r'\| accuracy ([\d.]+)%', etext)

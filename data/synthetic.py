@@ -2,6 +2,8 @@
 Synthetic chat tasks with exactly checkable answers, small enough to train on a CPU in minutes.
 
     add:    '123+45'              -> '168'               operands uniform in 0..999
+    add_short: add with a quarter of second operands of 1-2 digits (uniform add: a tenth), never one of add's
+            problems (its default splits at the same seed): llada's second training phase (docs/llada.md)
     sort:   '90210'               -> '00129'             1..10 digits, length uniform
     sudoku: '1.../...4/2.../...3' -> '1432321423414123'    4x4 grid, rows joined by '/', '.' = blank;
             the puzzle has exactly one solution (checked by a tiny solver); the answer is the 16-char solved grid
@@ -22,7 +24,7 @@ import os
 import random
 import sys
 
-TASKS = ('add', 'sort', 'sudoku')
+TASKS = ('add', 'add_short', 'sort', 'sudoku')
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -35,6 +37,18 @@ class ArgumentParser(argparse.ArgumentParser):
 def _add(rng):
     a, b = rng.randint(0, 999), rng.randint(0, 999)
     return f'{a}+{b}', str(a + b)
+
+
+def _add_short(rng):
+    # the same distribution as add but P(b < 100) = 1/4 instead of 1/10: a problem whose first operand is not at a
+    # fixed offset from the prompt's end is common enough to pay for reading the '+' (docs/llada.md)
+    a, b = rng.randint(0, 999), rng.randint(0, 99) if rng.random() < 0.25 else rng.randint(100, 999)
+    return f'{a}+{b}', str(a + b)
+
+
+# task -> (task, n): its problems avoid the first n of that task at the same seed (add's default train + val), so a
+# run that trains on add and then on add_short never trains on add's val problems
+AVOID = {'add_short': ('add', 20000 + 500)}
 
 
 def _sort(rng):
@@ -105,9 +119,11 @@ def make_problems(task, n, seed):
     ValueError for an unknown task or more records than the task has distinct prompts."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r} (expected one of {', '.join(TASKS)})")
-    make = {'add': _add, 'sort': _sort, 'sudoku': _sudoku}[task]
+    make = {'add': _add, 'add_short': _add_short, 'sort': _sort, 'sudoku': _sudoku}[task]
     rng = random.Random(f'{task}-{seed}')  # str seeds hash deterministically (sha512), unlike hash()
     seen, records, tries = set(), [], 0
+    if task in AVOID:
+        seen = {r['messages'][0]['content'] for r in make_problems(*AVOID[task], seed)}
     while len(records) < n:
         tries += 1
         if tries > 100 * (n + 10):

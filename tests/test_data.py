@@ -6,6 +6,7 @@ batch_indices). Everything generated goes under pytest's tmp_path.
 """
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -155,7 +156,7 @@ def test_tokenizer_spec_errors(tmp_path):
 # synthetic tasks
 
 def answer_ok(task, prompt, answer):
-    if task == 'add':
+    if task in ('add', 'add_short'):
         a, b = prompt.split('+')
         return 0 <= int(a) <= 999 and 0 <= int(b) <= 999 and answer == str(int(a) + int(b))
     if task == 'sort':
@@ -178,6 +179,21 @@ def test_synthetic_deterministic_distinct_correct(task):
         (u, a) = r['messages']
         assert (u['role'], a['role']) == ('user', 'assistant')
         assert answer_ok(task, u['content'], a['content']), r
+
+
+def test_add_short_is_add_with_a_quarter_short_and_none_of_adds_problems():
+    # llada's second phase: a quarter of second operands with 1-2 digits (uniform add: a tenth), and never a problem
+    # of add's default splits (train 20,000 + val 500 at the same seed), so switching to it never trains on add's val
+    recs = S.make_problems('add_short', 4000, seed=0)
+    short = sum(len(r['messages'][0]['content'].split('+')[1]) < 3 for r in recs) / len(recs)
+    assert 0.22 < short < 0.28, short  # binomial sd ~0.007 around 0.25 (dedup takes a little off)
+    uniform = sum(len(r['messages'][0]['content'].split('+')[1]) < 3 for r in S.make_problems('add', 4000, 0)) / 4000
+    assert uniform < 0.13, uniform
+    adds = {r['messages'][0]['content'] for r in S.make_problems('add', 20500, seed=0)}
+    assert not adds & {r['messages'][0]['content'] for r in recs}
+    # the check can fail: the same draws without the avoid set share prompts with add's splits
+    rng = random.Random('add_short-0')
+    assert adds & {S._add_short(rng)[0] for _ in range(4000)}
 
 
 def test_sudoku_solver():

@@ -22,12 +22,20 @@ def test_fresh_problems_skip_every_train_and_val_prompt(tmp_path):
     write_jsonl(first[:10], str(tmp_path / 'train.jsonl'))
     write_jsonl(first[10:20:2], str(tmp_path / 'val.jsonl'))
     taken = {r['messages'][0]['content'] for r in first[:10] + first[10:20:2]}
-    got = sweep.fresh_problems('add', 12, str(tmp_path))
+    got = sweep.fresh_problems('add', 12, [str(tmp_path)])
     prompts = [r['messages'][0]['content'] for r in got]
     assert len(prompts) == len(set(prompts)) == 12
     assert not taken & set(prompts)
     assert got[:5] == first[11:20:2]  # the first draws outside the splits, in order
-    assert sweep.fresh_problems('add', 12, str(tmp_path)) == got  # the same for every run of a sweep
+    assert sweep.fresh_problems('add', 12, [str(tmp_path)]) == got  # the same for every run of a sweep
+    # a second train split (llada's curriculum_data) is not fresh either
+    late = tmp_path / 'late'
+    late.mkdir()
+    write_jsonl(first[11:14:2], str(late / 'train.jsonl'))  # the first two fresh problems above
+    write_jsonl([], str(late / 'val.jsonl'))
+    both = sweep.fresh_problems('add', 12, [str(tmp_path), str(late)])
+    assert both[:3] == first[15:20:2] and not {r['messages'][0]['content'] for r in first[11:14:2]} & {
+        r['messages'][0]['content'] for r in both}
 
 
 def test_summary_min_median_max_and_targets():

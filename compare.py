@@ -216,7 +216,7 @@ def main(argv=None):
             d = train_one(name, a, out, rows, results)
             if not os.path.exists(fresh):
                 from data.synthetic import write_jsonl
-                write_jsonl(fresh_problems('sudoku', a.n_fresh, a.data_dir), fresh)
+                write_jsonl(fresh_problems('sudoku', a.n_fresh, [a.data_dir]), fresh)
             decode(name, d, a, out, fresh, rows, results)
         if any(r['kind'] != 'total' for r in rows[n_before:]):  # this invocation ran something: its wall time
             add(rows, results, dict(family='-', kind='total', wall_s=round(time.time() - t0)))

@@ -28,10 +28,10 @@ import torch.nn as nn
 
 import hf
 import dlm_kernels as kernels
-from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at, save_run,
+from skeleton import (init_distributed, precision, print0, all_sum, finish, get_lr, settings_error, die_at, save_run,
                       open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered, adamw,
                       full_state, resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, fill_length,
-                      exact_match, lora_for_run, micro_steps, eval_rows)
+                      exact_match, lora_for_run, micro_steps, eval_rows, open_late_split)
 from data.loader import collate, pack as pack_rows
 
 FAMILY = 'llada'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -260,11 +260,7 @@ if __name__ == '__main__':
     pad_id, eos_id = meta['pad_id'], meta['eos_id']
     late_ds = None  # the train split from step curriculum_iter on (None: train_ds throughout)
     if curriculum_data and curriculum_iter < max_iters:
-        late_dir, late_ds, _, late_meta, _, late_text = open_data(curriculum_data, '', max_seq_len, tokenizer_source)
-        same = ('tokenizer', 'tokenizer_path', 'vocab_size', 'pad_id', 'eos_id')
-        if late_text or text or any(late_meta.get(k) != meta.get(k) for k in same):
-            fail(f"curriculum_data={curriculum_data}: {late_dir} must be chat data with {data_dir}'s tokenizer "
-                 f"(the same {', '.join(same)})", 2)
+        late_ds = open_late_split(curriculum_data, data_dir, meta, text, max_seq_len, tokenizer_source)
 
     def get_batch(ds, idx, seeds, fill_to):
         """The micro-batch dict of examples idx (B,): collated (or packed), corrupted with per-row seeds (B,)."""

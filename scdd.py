@@ -39,7 +39,7 @@ import dlm_kernels as kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, get_lr, settings_error, die_at, save_run,
                       open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered, adamw,
                       full_state, resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds, fill_length,
-                      exact_match, lora_for_run, micro_steps, eval_rows)
+                      exact_match, lora_for_run, micro_steps, eval_rows, open_late_split)
 from data.loader import collate, pack as pack_rows
 
 FAMILY = 'scdd'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -308,6 +308,8 @@ def family_settings_error(c):
     if c['cleanup'] not in ('all', 'mask') or c['temperature'] < 0 or not 0 < c['top_p'] <= 1:
         return (f"cleanup={c['cleanup']!r} must be 'all' or 'mask', temperature={c['temperature']} >= 0 and "
                 f"top_p={c['top_p']} in (0, 1]")
+    if c['curriculum_iter'] < 0:
+        return f"curriculum_iter={c['curriculum_iter']} must be >= 0"
     if min(c['eos_fill'], c['uniform_warmup'], c['chunk_size']) < 0 or c['mask_id'] < -1 or c['pad_block_size'] < 1:
         return (f"eos_fill={c['eos_fill']}, uniform_warmup={c['uniform_warmup']}, chunk_size={c['chunk_size']} must "
                 f"be >= 0, pad_block_size={c['pad_block_size']} >= 1 and mask_id={c['mask_id']} >= -1 (-1: from meta.json)")
@@ -342,6 +344,10 @@ if __name__ == '__main__':
     supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
     eos_fill = 0  # >0: EOS-fill a step's rows to a canvas drawn up to this (fill_length); off: docs/scdd.md's results
     pack = False  # pack several examples per row of max_seq_len (per-document attention) instead of padding
+    curriculum_data = 'auto'  # from step curriculum_iter on, train on this task's or prepared dir's train split (the
+    # same tokenizer; val stays data_dir's): 'auto' = 'add_short' (a quarter of second operands short) when training
+    # on add, else '' (off). llada.py's curriculum, for the same second plateau (docs/scdd.md)
+    curriculum_iter = 1000  # the step the train split switches to curriculum_data
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
     n_layer = 4  # transformer layers (scratch)
@@ -365,7 +371,8 @@ if __name__ == '__main__':
     uniform_warmup = 1000  # >0: uniform_ratio ramps up linearly over the first this-many steps (ratio_at; docs/scdd.md)
     chunk_size = 0  # positions per vocabulary chunk of the loss (0 = auto from the vocab size)
     # optimizer
-    learning_rate = 3e-3  # peak AdamW learning rate (llada.py's: 3e-3 leaves the add plateau sooner than 2e-3)
+    learning_rate = 5e-3  # peak AdamW learning rate (llada.py's: leaves the first add plateau before the curriculum
+    # starts; at 3e-3 one of five runs left it after step 1,000, docs/defaults.md)
     max_iters = 2000  # optimizer steps
     weight_decay = 0.1  # AdamW weight decay (2-D weights only)
     beta1 = 0.9  # AdamW beta1
@@ -418,9 +425,14 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # data
-    data_dir, train_ds, val_ds, meta, tokenizer, text = open_data(
-        dataset, data_dir, max_seq_len, 'byte' if init_from in ('scratch', 'resume') else init_from)
+    if curriculum_data == 'auto':
+        curriculum_data = 'add_short' if dataset == 'add' and not data_dir else ''
+    tokenizer_source = 'byte' if init_from in ('scratch', 'resume') else init_from
+    data_dir, train_ds, val_ds, meta, tokenizer, text = open_data(dataset, data_dir, max_seq_len, tokenizer_source)
     pad_id, eos_id = meta['pad_id'], meta['eos_id']
+    late_ds = None  # the train split from step curriculum_iter on (None: train_ds throughout)
+    if curriculum_data and curriculum_iter < max_iters:
+        late_ds = open_late_split(curriculum_data, data_dir, meta, text, max_seq_len, tokenizer_source)
 
     sched = dict(uniform_ratio=uniform_ratio, schedule_shape=schedule_shape, schedule_peak=schedule_peak)
 
@@ -537,7 +549,7 @@ if __name__ == '__main__':
     lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
     resumed = resolve_config(config, saved, start_step, device=device, dtype=dtype, mask_id=mask_id,
                              lr_decay_iters=lr_decay_iters, data_dir=data_dir, attn_implementation=attn_implementation,
-                             world_size=ddp_world_size)
+                             world_size=ddp_world_size, curriculum_data=curriculum_data)
     log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
     saver = Saver(ckpt_interval, ckpt_interval_min, device, eval_interval=eval_interval, max_iters=max_iters,
                   evaluate=evaluate, save=save_checkpoint, log=log, ckpt_path=ckpt_path)
@@ -551,11 +563,12 @@ if __name__ == '__main__':
         # collate + corrupt every micro-batch first: the loss denominator is the GLOBAL supervised count
         micro, fill_to = [], fill_length(seed, step, eos_fill)
         net.sched = sched_at(step)  # this step's forward process: its corruption and the loss's posteriors
+        ds = late_ds if late_ds is not None and step >= curriculum_iter else train_ds
         for m in range(grad_accum):
-            idx = batch_indices(len(train_ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
+            idx = batch_indices(len(ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
                                 world_size=ddp_world_size, grad_accum=grad_accum)
             rows = global_rows(batch_size, micro_step=m, rank=ddp_rank, world_size=ddp_world_size)
-            micro.append(get_batch(train_ds, idx, rows, step, global_batch, fill_to, net.sched))
+            micro.append(get_batch(ds, idx, rows, step, global_batch, fill_to, net.sched))
         counts = torch.tensor([sum(mb['loss_mask'].sum() for mb in micro), sum(mb['noise'].sum() for mb in micro),
                                sum(mb['input_ids'].numel() for mb in micro)], dtype=torch.float64, device=device)
         n_sup, n_noise, n_tok = all_sum(counts).tolist()

@@ -344,6 +344,17 @@ def open_data(dataset, data_dir, max_seq_len, tokenizer_source):
     return data_dir, train_ds, val_ds, meta, tokenizer, text
 
 
+def open_late_split(curriculum_data, data_dir, meta, text, max_seq_len, tokenizer_source):
+    """The train split of curriculum_data (a synthetic task or a prepared dir, as `dataset`) that a curriculum
+    switches to, checked to be chat data with data_dir's tokenizer (else one line, exit 2)."""
+    late_dir, late_ds, _, late_meta, _, late_text = open_data(curriculum_data, '', max_seq_len, tokenizer_source)
+    same = ('tokenizer', 'tokenizer_path', 'vocab_size', 'pad_id', 'eos_id')
+    if late_text or text or any(late_meta.get(k) != meta.get(k) for k in same):
+        fail(f"curriculum_data={curriculum_data}: {late_dir} must be chat data with {data_dir}'s tokenizer "
+             f"(the same {', '.join(same)})", 2)
+    return late_ds
+
+
 def _claim(out_dir, ckpt_path, hf_dir, init_from, overwrite):
     """claim_out_dir's work on rank 0: (the lock file or None, (exit code, message); code 0 when claimed)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):

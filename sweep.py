@@ -53,7 +53,8 @@ FAMILIES = {
     ],
 }
 TASK = {'sudoku': 'sudoku'}  # the synthetic task each family's default trains on (else 'add')
-LATE = {'llada': 'add_short'}  # a second train split the default switches to (curriculum_data): not fresh either
+# a second train split the default switches to (curriculum_data): its problems are not fresh either
+LATE = {'llada': 'add_short', 'scdd': 'add_short'}
 
 
 def fresh_problems(task, n, data_dirs, seed=7):

@@ -210,23 +210,24 @@ def test_bad_inputs_fail_with_one_line(data_dir, tmp_path):
         assert r.returncode == code and len(lines) == 1 and msg in lines[0], (args, r.returncode, r.stderr[-2000:])
 
 
-def test_llada_curriculum_switches_the_train_split(data_dir, tmp_path):
-    # from step curriculum_iter on llada trains on curriculum_data's train split: the losses of a run that stops at
+@pytest.mark.parametrize('script', ['llada.py', 'scdd.py'])
+def test_curriculum_switches_the_train_split(script, data_dir, tmp_path):
+    # from step curriculum_iter on the family trains on curriculum_data's train split: the losses of a run that stops at
     # that step and resumes with data_dir set to that split (the reference), and not those of a run on data_dir alone
     from data.prepare import ensure_synthetic
     late = str(tmp_path / 'add_short')
     ensure_synthetic('add_short', late, max_seq_len=64, seed=0, n_train=2000, n_val=64)
     a, b, c = str(tmp_path / 'curriculum'), str(tmp_path / 'resumed'), str(tmp_path / 'one_split')
     common = ['--lr_decay_iters=6', '--eval_samples=0', '--learning_rate=1e-2', *TINY]
-    run('llada.py', f'--data_dir={data_dir}', f'--out_dir={a}', '--max_iters=6', f'--curriculum_data={late}',
+    run(script, f'--data_dir={data_dir}', f'--out_dir={a}', '--max_iters=6', f'--curriculum_data={late}',
         '--curriculum_iter=3', *common)
-    run('llada.py', f'--data_dir={data_dir}', f'--out_dir={b}', '--max_iters=3', *common)
-    run('llada.py', f'--data_dir={late}', f'--out_dir={b}', '--max_iters=6', '--init_from=resume', *common)
-    run('llada.py', f'--data_dir={data_dir}', f'--out_dir={c}', '--max_iters=6', *common)
+    run(script, f'--data_dir={data_dir}', f'--out_dir={b}', '--max_iters=3', *common)
+    run(script, f'--data_dir={late}', f'--out_dir={b}', '--max_iters=6', '--init_from=resume', *common)
+    run(script, f'--data_dir={data_dir}', f'--out_dir={c}', '--max_iters=6', *common)
     la, lb, lc = losses(a), losses(b), losses(c)
     assert [la[s] for s in range(1, 7)] == [lb[s] for s in range(1, 7)], (la, lb)
     assert [la[s] for s in range(1, 4)] == [lc[s] for s in range(1, 4)] and la[4] != lc[4], (la, lc)
-    r = run('llada.py', f'--data_dir={data_dir}', f'--out_dir={c}', '--max_iters=6', '--overwrite=True', *TINY,
+    r = run(script, f'--data_dir={data_dir}', f'--out_dir={c}', '--max_iters=6', '--overwrite=True', *TINY,
             '--curriculum_data=/nonexistent/split', '--curriculum_iter=3', check=False)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and '/nonexistent/split' in lines[0], r.stderr[-2000:]

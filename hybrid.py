@@ -39,7 +39,8 @@ import dlm_kernels as kernels
 from skeleton import (init_distributed, precision, print0, all_sum, finish, fail, get_lr, settings_error, die_at,
                       save_run, open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered,
                       adamw, full_state, resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds,
-                      fill_length, exact_match, causal_lm_error, lora_for_run, micro_steps, eval_rows)
+                      fill_length, exact_match, causal_lm_error, lora_for_run, micro_steps, eval_rows,
+                      open_late_split)
 from data.loader import collate
 
 FAMILY = 'hybrid'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -218,6 +219,8 @@ def family_settings_error(c):
                 f"block_size) and steps_per_block={c['steps_per_block']} >= 1")
     if not 0 <= c['threshold'] <= 1:
         return f"threshold={c['threshold']} must be in [0, 1] (0: the even schedule)"
+    if c['curriculum_iter'] < 0:
+        return f"curriculum_iter={c['curriculum_iter']} must be >= 0"
     return None
 
 # -----------------------------------------------------------------------------
@@ -249,6 +252,10 @@ if __name__ == '__main__':
     supervise_padding = True  # padding is trained like ordinary tokens (LLaDA SFT: teaches the model to stop)
     eos_fill = 32  # >0: EOS-fill every row of a step to a canvas drawn from [its longest row, eos_fill] (fill_length),
     #                so the blocks after an answer's EOS stay in distribution (llada.py; docs/llada.md); 0 = off
+    curriculum_data = ''  # from step curriculum_iter on, train on this task's or prepared dir's train split (the same
+    # tokenizer; val stays data_dir's): '' = off, 'auto' = 'add_short' on add (llada.py's curriculum, for the same
+    # second plateau at ~89 %: the first operand read at a fixed offset; docs/defaults.md measures it for hybrid)
+    curriculum_iter = 1000  # the step the train split switches to curriculum_data
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
     n_layer = 4  # transformer layers (scratch)
@@ -321,9 +328,14 @@ if __name__ == '__main__':
 
     # -------------------------------------------------------------------------
     # data
-    data_dir, train_ds, val_ds, meta, tokenizer, text = open_data(
-        dataset, data_dir, max_seq_len, 'byte' if init_from in ('scratch', 'resume') else init_from)
+    if curriculum_data == 'auto':
+        curriculum_data = 'add_short' if dataset == 'add' and not data_dir else ''
+    tokenizer_source = 'byte' if init_from in ('scratch', 'resume') else init_from
+    data_dir, train_ds, val_ds, meta, tokenizer, text = open_data(dataset, data_dir, max_seq_len, tokenizer_source)
     pad_id, eos_id = meta['pad_id'], meta['eos_id']
+    late_ds = None  # the train split from step curriculum_iter on (None: train_ds throughout)
+    if curriculum_data and curriculum_iter < max_iters:
+        late_ds = open_late_split(curriculum_data, data_dir, meta, text, max_seq_len, tokenizer_source)
 
     def get_batch(ds, idx, seeds, fill_to):
         """The micro-batch dict of examples idx (B,): collated, corrupted with per-row seeds (B,)."""
@@ -434,7 +446,7 @@ if __name__ == '__main__':
     lr_decay_iters = max_iters if lr_decay_iters == -1 else lr_decay_iters
     resumed = resolve_config(config, saved, start_step, device=device, dtype=dtype, mask_id=mask_id,
                              lr_decay_iters=lr_decay_iters, data_dir=data_dir, attn_implementation=attn_implementation,
-                             world_size=ddp_world_size)
+                             world_size=ddp_world_size, curriculum_data=curriculum_data)
     log = RunLog(out_dir, MODULE + '.py', config, resumed, device=device, world_size=ddp_world_size)
     saver = Saver(ckpt_interval, ckpt_interval_min, device, eval_interval=eval_interval, max_iters=max_iters,
                   evaluate=evaluate, save=save_checkpoint, log=log, ckpt_path=ckpt_path)
@@ -447,11 +459,12 @@ if __name__ == '__main__':
             group['lr'] = lr
         # collate + corrupt every micro-batch first: the denominators are GLOBAL counts (corrupted, supervised)
         micro, fill_to = [], fill_length(seed, step, eos_fill)
+        ds = late_ds if late_ds is not None and step >= curriculum_iter else train_ds
         for m in range(grad_accum):
-            idx = batch_indices(len(train_ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
+            idx = batch_indices(len(ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
                                 world_size=ddp_world_size, grad_accum=grad_accum)
             rows = global_rows(batch_size, micro_step=m, rank=ddp_rank, world_size=ddp_world_size)
-            micro.append(get_batch(train_ds, idx, corruption_seeds(seed, step, rows, global_batch), fill_to))
+            micro.append(get_batch(ds, idx, corruption_seeds(seed, step, rows, global_batch), fill_to))
         counts = torch.tensor([sum(mb['loss_mask'].sum() for mb in micro), sum(mb['noise'].sum() for mb in micro),
                                sum(2 * mb['x0'].numel() for mb in micro)], dtype=torch.float64, device=device)
         n_sup, n_noise, n_tok = all_sum(counts).tolist()  # n_tok: the [x_t | x_0] tokens processed

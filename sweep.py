@@ -54,7 +54,7 @@ FAMILIES = {
 }
 TASK = {'sudoku': 'sudoku'}  # the synthetic task each family's default trains on (else 'add')
 # a second train split the default switches to (curriculum_data): its problems are not fresh either
-LATE = {'llada': 'add_short', 'scdd': 'add_short'}
+LATE = {'llada': 'add_short', 'scdd': 'add_short', 'hybrid': 'add_short'}
 
 
 def fresh_problems(task, n, data_dirs, seed=7):

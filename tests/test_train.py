@@ -210,7 +210,7 @@ def test_bad_inputs_fail_with_one_line(data_dir, tmp_path):
         assert r.returncode == code and len(lines) == 1 and msg in lines[0], (args, r.returncode, r.stderr[-2000:])
 
 
-@pytest.mark.parametrize('script', ['llada.py', 'scdd.py'])
+@pytest.mark.parametrize('script', ['llada.py', 'scdd.py', 'hybrid.py'])
 def test_curriculum_switches_the_train_split(script, data_dir, tmp_path):
     # from step curriculum_iter on the family trains on curriculum_data's train split: the losses of a run that stops at
     # that step and resumes with data_dir set to that split (the reference), and not those of a run on data_dir alone

@@ -334,18 +334,22 @@ def causal_prefix(start, key_valid=None):
     return mask_mod
 
 
-def block_diffusion(L, block_size, key_valid=None, causal_in_block=False, offset=None):
+def block_diffusion(L, block_size, key_valid=None, causal_in_block=False, offset=None, start=0):
     """[x_t | x_0] layout of length 2L (block diffusion training: NeMo AutoModel
     nemo_automodel/components/attention/idlm_mask.py, kuleshov-group/bd3lms). x_t queries see x_t keys of their own
     block (and kv <= q if causal_in_block: I-DLM) plus x_0 keys of strictly earlier blocks; x_0 queries see x_0 keys
     causally (k <= q). Blocks count from position 0 of each copy, or from position -offset[b] with offset (B,) long (row
     b's block of position i is (i + offset[b]) // block_size: hybrid.py's block_origin='response' starts a block at each
-    response). key_valid (B, L) applies to keys of both copies (k mod L).
+    response). key_valid (B, L) applies to keys of both copies (k mod L, i.e. by position).
+    start > 0: the x_t copy holds only positions start..L-1 (layout [x_t[start:] | x_0], length 2L - start; hybrid.py
+    drops x_t blocks that are all prompt: no query that reaches a loss attends to them).
     No fully-masked row: the diagonal (x_t[i] -> x_t[i], x_0[i] -> x_0[i]) is always kept."""
+    n = L - start  # x_t columns
+
     def mask_mod(b, h, q, kv):
-        q_xt, k_xt = q < L, kv < L
-        qq = torch.where(q_xt, q, q - L)  # position inside its copy
-        kk = torch.where(k_xt, kv, kv - L)
+        q_xt, k_xt = q < n, kv < n
+        qq = torch.where(q_xt, q + start, q - n)  # position inside its copy
+        kk = torch.where(k_xt, kv + start, kv - n)
         o = 0 if offset is None else offset[b]
         bq, bk = (qq + o) // block_size, (kk + o) // block_size
         own = bq == bk

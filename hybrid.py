@@ -64,19 +64,21 @@ class Hybrid(nn.Module):
         self.softcap = softcap
         self.compiled_ce = compiled_ce
 
-    def forward(self, xt, x0, weights, ar_targets, ar_weights, attention_mask, position_ids=None):
+    def forward(self, xt, x0, weights, ar_targets, ar_weights, attention_mask, position_ids=None, start=0):
         """xt, x0 (B, L) long: noisy and clean ids; weights (B, L): 1/p on corrupted tokens (diffusion rows, label
         x0 at the same position); ar_targets, ar_weights (B, L): x0[i+1] and 1 where it is supervised (AR rows);
-        attention_mask: the (B, 1, 2L, 2L) / BlockMask of attention_for; position_ids (B, L) or None (0..L-1),
-        used for both halves."""
+        attention_mask: the (B, 1, 2L - start, 2L - start) / BlockMask of attention_for(..., start); position_ids
+        (B, L) or None (0..L-1), used for both halves; start (xt_start): x_t's columns before it are not computed
+        (weights there must be 0)."""
         B, L = x0.shape
         if position_ids is None:
             position_ids = torch.arange(L, device=x0.device).expand(B, L)
-        h = hf.last_hidden_state(self.model, torch.cat([xt, x0], 1), attention_mask,
-                                 torch.cat([position_ids, position_ids], 1))  # (B, 2L, C), post final norm
+        h = hf.last_hidden_state(self.model, torch.cat([xt[:, start:], x0], 1), attention_mask,
+                                 torch.cat([position_ids[:, start:], position_ids], 1))  # (B, 2L-start, C), normed
         W = self.model.get_output_embeddings().weight  # (V, C)
+        n = L - start  # x_t columns
         out = []
-        for hh, tgt, w in ((h[:, :L], x0, weights), (h[:, L:], ar_targets, ar_weights)):
+        for hh, tgt, w in ((h[:, :n], x0[:, start:], weights[:, start:]), (h[:, n:], ar_targets, ar_weights)):
             sel = w > 0  # only the rows each term needs reach the LM head, chunk by chunk: no (B, 2L, V) logits
             out.append(kernels.chunked_cross_entropy(hh[sel], W, tgt[sel], row_weights=w[sel].float(),
                                                      softcap=self.softcap, compiled=self.compiled_ce))
@@ -152,6 +154,22 @@ def corrupt(x0, loss_mask, *, mask_id, eps, seeds, block_size=0, half_life_ratio
     return xt, noise, p
 
 
+def xt_start(weights, offset, block_size, multiple=1):
+    """The first x_t column any loss needs. An x_t query reaches the loss only at a corrupted position (weight > 0)
+    and attends x_t only inside its own block; x_0 never attends x_t. So every x_t column before the earliest block
+    (over the batch's rows) holding a corrupted position feeds nothing, and Hybrid does not compute it: on `add`, the
+    prompt, ~1/4 of the [x_t | x_0] tokens. The same loss and gradients as the whole x_t copy (NeMo runs it whole: a
+    deliberate difference in compute only; tests/test_hybrid.py). weights (B, L), offset (B,) the block grid
+    (block_offsets), block_size 0 = one block of L. Rounded down to a multiple of `multiple` (pad_seq_len_divisible:
+    static shapes stay a small set for compile)."""
+    B, L = weights.shape
+    bs = block_size or L
+    hit = weights > 0
+    first = torch.where(hit.any(1), hit.float().argmax(1), L - 1)  # (B,) first corrupted position (none: L - 1)
+    s = int(((first + offset) // bs * bs - offset).clamp_min(0).min())  # where its block starts, earliest row
+    return s - s % multiple
+
+
 def loss_weights(noise, p):
     """Per-position weight of the diffusion term: 1/p on corrupted supervised tokens, 0 elsewhere. (B, L)"""
     return noise.float() / p.clamp_min(1e-8)
@@ -185,14 +203,14 @@ def make_batch(examples, seeds, *, pad_id, eos_id, mask_id, eps, max_seq_len, bl
                 loss_mask=lm, noise=noise, offset=offset)
 
 
-def attention_for(model, batch, device, block_size):
-    """The [x_t | x_0] mask of a micro-batch (kernels.block_diffusion on the batch's block grid) for the model's
-    backend: a BlockMask on flex, a dense (B, 1, 2L, 2L) bool mask on SDPA. Always explicit: the backbone is causal.
-    Every key is attended (llada.py: the EOS fill is content; x_0 is causal, so trailing padding reaches nothing
-    real there)."""
+def attention_for(model, batch, device, block_size, start=0):
+    """The [x_t[start:] | x_0] mask of a micro-batch (kernels.block_diffusion on the batch's block grid) for the
+    model's backend: a BlockMask on flex, a dense (B, 1, 2L - start, 2L - start) bool mask on SDPA. Always explicit:
+    the backbone is causal. Every key is attended (llada.py: the EOS fill is content; x_0 is causal, so trailing
+    padding reaches nothing real there)."""
     B, L = batch['x0'].shape
-    mask_mod = kernels.block_diffusion(L, block_size or L, offset=batch['offset'].to(device))
-    return hf.attention_mask(model, mask_mod, B, 2 * L, 2 * L, device)
+    mask_mod = kernels.block_diffusion(L, block_size or L, offset=batch['offset'].to(device), start=start)
+    return hf.attention_mask(model, mask_mod, B, 2 * L - start, 2 * L - start, device)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -357,8 +375,9 @@ if __name__ == '__main__':
     def forward(mb):
         """(Σ diffusion CE, Σ AR CE), (hits, hits) of micro-batch mb (train_model: DDP/FSDP see one call)."""
         on = lambda k: mb[k].to(device)
+        start = xt_start(mb['weights'], mb['offset'], block_size, pad_seq_len_divisible)  # x_t's prompt-only blocks
         return train_model(on('xt'), on('x0'), on('weights'), on('ar_targets'), on('ar_weights'),
-                           attention_for(raw_model, mb, device, block_size))
+                           attention_for(raw_model, mb, device, block_size, start), start=start)
 
     # -------------------------------------------------------------------------
     # model
@@ -476,7 +495,7 @@ if __name__ == '__main__':
             micro.append(get_batch(ds, idx, corruption_seeds(seed, step, rows, global_batch), fill_to))
         counts = torch.tensor([sum(mb['loss_mask'].sum() for mb in micro), sum(mb['noise'].sum() for mb in micro),
                                sum(2 * mb['x0'].numel() for mb in micro)], dtype=torch.float64, device=device)
-        n_sup, n_noise, n_tok = all_sum(counts).tolist()  # n_tok: the [x_t | x_0] tokens processed
+        n_sup, n_noise, n_tok = all_sum(counts).tolist()  # n_tok: the [x_t | x_0] tokens (skipped x_t columns included)
         # Σ loss, Σ diffusion term, Σ AR term, Σ diffusion hits (on corrupted tokens), Σ AR hits
         loss_sum = torch.zeros(5, device=device)
         for m, mb in enumerate(micro):

@@ -42,6 +42,9 @@ LAYOUTS = {  # name -> (bidirectional model?, mask_mod factory of (B, T), positi
     'dflash': (True, lambda B, T: dflash_self(T - 8, 4, torch.tensor([[30, 90], [50, 119]])), None),
     'packed_causal': (False, lambda B, T: kernels.document(kernels.causal(), *(torch.arange(T).div(10, rounding_mode='floor').expand(B, T),) * 2),
                       lambda B, T: (torch.arange(T) % 10).expand(B, T)),
+    'block_diffusion_start': (False, lambda B, T: kernels.block_diffusion(T // 2 + 4, 8, offset=torch.tensor([2, 4]),
+                                                                      start=8),  # hybrid.py's [x_t[8:] | x_0]
+                              lambda B, T: torch.cat([torch.arange(8, T // 2 + 4), torch.arange(T // 2 + 4)]).expand(B, T)),
 }
 
 
@@ -53,6 +56,9 @@ def test_flex_blockmask_through_the_model_equals_sdpa_dense(layout):
     # run to run (seen here; CUDA pads tiles). Training on CPU never takes this path (dense masks + SDPA).
     bidir, make, make_pos = LAYOUTS[layout]
     B, T = 2, 128
+    # each layout compiles flex afresh: after a few recompiles dynamo turns to dynamic shapes, whose CPU flex kernel
+    # did not compile (torch 2.13: inductor's C++ "cur_kvSplitSize4 was not declared"; seen here)
+    torch._dynamo.reset()
     sdpa = tiny(bidir)
     flex = tiny(bidir, attn='flex_attention')
     flex.load_state_dict(sdpa.state_dict())

@@ -205,6 +205,40 @@ def test_loss_terms_equal_full_logits_cross_entropy():
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 12, 13], [1, 20, 21, 22, 23, 24], [1, 30]]
 
 
+@pytest.mark.parametrize('bs,origin,corruption', [(4, 'response', 'blockwise'), (3, 'absolute', 'blockwise'),
+                                                  (0, 'response', 'uniform'), (0, 'absolute', 'uniform')])
+def test_skipping_prompt_only_xt_blocks_changes_no_loss_or_gradient(bs, origin, corruption):
+    # Hybrid(start=xt_start) against the whole [x_t | x_0] forward (start 0, the reference): equal sums, hits and
+    # gradients of every weight; and one column further would drop a needed x_t key (guards an off-by-one-block start)
+    torch.manual_seed(4)
+    model = tiny_model()
+    examples = [(torch.randint(0, 30, (n,)).numpy(), (torch.arange(n) >= p).float().numpy())
+                for n, p in ((11, 6), (13, 7), (9, 5), (12, 6))]
+    mb = hybrid.make_batch(examples, seeds(4, 5), pad_id=PAD, eos_id=EOS, mask_id=MASK, eps=0.3, max_seq_len=32,
+                           block_size=bs, block_origin=origin, corruption=corruption, fill_to=16)
+    start = hybrid.xt_start(mb['weights'], mb['offset'], bs)
+    if (bs, origin) == (0, 'absolute'):
+        assert start == 0  # one bidirectional block over the whole row: nothing to skip
+    else:
+        assert start >= 3 and not mb['weights'][:, :start].any()
+    net = hybrid.Hybrid(model)
+
+    def run(s):
+        mask = hybrid.attention_for(model, mb, 'cpu', bs, start=s)
+        ce, hits = net(mb['xt'], mb['x0'], mb['weights'], mb['ar_targets'], mb['ar_weights'], mask, start=s)
+        grads = torch.autograd.grad(ce.sum(), [p for p in model.parameters()])
+        return ce, hits, grads
+
+    ce, hits, grads = run(0)
+    ce2, hits2, grads2 = run(start)
+    assert torch.allclose(ce, ce2, rtol=1e-5) and torch.equal(hits, hits2)
+    for g, g2 in zip(grads, grads2):
+        assert torch.allclose(g, g2, atol=1e-6, rtol=1e-4)
+    if start:
+        ce3, _, _ = run(start + 1)  # a needed x_t column dropped (weights before it are 0, so it is a key, not a row)
+        assert not torch.allclose(ce[0], ce3[0], rtol=1e-5)
+
+
 def nemotron(model, prompts, **kw):
     kw = dict(sampler='nemotron', pad_id=PAD, eos_id=EOS, mask_id=MASK, **kw)
     return sample.generate(model, prompts, **kw)

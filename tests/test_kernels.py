@@ -216,6 +216,11 @@ def test_block_diffusion_offset_and_causal_prefix():
             ok = k >= L and k <= q
         return (ok and v[b, k % L]) or q == k
     _check(kernels.block_diffusion(L, bs, v, offset=off), pred, 2, 2 * L, 2 * L)
+    # start: x_t holds positions start..L-1 only; the mask is the full one with x_t's first `start` rows and columns cut
+    full = kernels.dense_mask(kernels.block_diffusion(L, bs, v, offset=off), 2, 2 * L, 2 * L)
+    keep = torch.arange(2 * L) >= 3
+    cut = kernels.dense_mask(kernels.block_diffusion(L, bs, v, offset=off, start=3), 2, 2 * L - 3, 2 * L - 3)
+    assert torch.equal(cut, full[:, :, keep][:, :, :, keep])
     # the nemotron sampler's uncached forward: causal before `start`, every valid key from `start` on
     _check(kernels.causal_prefix(5, v), lambda b, q, k: ((k <= q or q >= 5) and v[b, k]) or q == k, 2, 8, 8)
 

@@ -344,6 +344,7 @@ def block_diffusion(L, block_size, key_valid=None, causal_in_block=False, offset
     start > 0: the x_t copy holds only positions start..L-1 (layout [x_t[start:] | x_0], length 2L - start; hybrid.py
     drops x_t blocks that are all prompt: no query that reaches a loss attends to them).
     No fully-masked row: the diagonal (x_t[i] -> x_t[i], x_0[i] -> x_0[i]) is always kept."""
+    assert 0 <= start < L, f'start={start} must be in [0, L={L})'
     n = L - start  # x_t columns
 
     def mask_mod(b, h, q, kv):

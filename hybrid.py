@@ -3,8 +3,9 @@ hybrid.py: Nemotron-Labs-Diffusion hybrid: block diffusion and autoregression tr
 
 One forward over [x_t | x_0] (length 2L, the same position ids for both halves) under the block-diffusion mask
 (kernels.block_diffusion): a noisy x_t block attends bidirectionally inside itself and to the clean x_0 blocks
-strictly before it; x_0 is plainly causal. The x_t half predicts each [MASK] in place (same-position labels, no
-shift: the diffusion head), the x_0 half predicts the next token (the AR head); both through the one LM head.
+strictly before it; x_0 is plainly causal (x_t's leading blocks that reach no loss, the prompt's, are not computed:
+xt_start). The x_t half predicts each [MASK] in place (same-position labels, no shift: the diffusion head), the x_0
+half predicts the next token (the AR head); both through the one LM head.
 Corruption masks whole-sequence (llada's t ~ U, block_size = 0) or exactly k = round(m·len) tokens per block
 (m ~ U per block, Gumbel top-k biased toward later positions). Loss (NeMo AutoModel HybridDiffusionLLMLoss,
 nemo_automodel/components/loss/dllm_loss.py):
@@ -159,9 +160,10 @@ def xt_start(weights, offset, block_size, multiple=1):
     and attends x_t only inside its own block; x_0 never attends x_t. So every x_t column before the earliest block
     (over the batch's rows) holding a corrupted position feeds nothing, and Hybrid does not compute it: on `add`, the
     prompt, ~1/4 of the [x_t | x_0] tokens. The same loss and gradients as the whole x_t copy (NeMo runs it whole: a
-    deliberate difference in compute only; tests/test_hybrid.py). weights (B, L), offset (B,) the block grid
-    (block_offsets), block_size 0 = one block of L. Rounded down to a multiple of `multiple` (pad_seq_len_divisible:
-    static shapes stay a small set for compile)."""
+    deliberate difference in compute only; tests/test_hybrid.py). The cut is one per micro-batch, so the row whose
+    first corrupted block starts earliest (the shortest prompt) sets it. weights (B, L), offset (B,) the block grid
+    (block_offsets), block_size 0 = one block of L. Rounded down to a multiple of `multiple` (pad_seq_len_divisible >
+    1: the forward's lengths stay multiples of it, for compile and flex)."""
     B, L = weights.shape
     bs = block_size or L
     hit = weights > 0

@@ -19,7 +19,8 @@ plan counts, per GPU:
   - activations: what autograd saves for backward, per token and layer (dense_layer / moe_layer below: counted from
     what transformers' Qwen3 / Llama / DiffusionGemma layers save, eager or compiled, checked against a saved-tensor
     trace of the real layers in tests/test_plan.py), times the tokens each family pushes through with grad: llada,
-    ar, scdd one row of T; hybrid and idlm [x_t | x_0], 2T; gemma_bd [x0 | canvas] (its self-conditioning pass runs
+    ar, scdd one row of T; hybrid and idlm [x_t | x_0], 2T (hybrid skips x_t's prompt-only blocks, which depend on
+    the data: 2T is its upper bound); gemma_bd [x0 | canvas] (its self-conditioning pass runs
     without grad); dflash the draft's blocks against the target's context (the target runs without grad and keeps
     only its tapped features). With activation checkpointing a block keeps only its input, and one block is
     recomputed at a time;

@@ -221,6 +221,7 @@ def test_skipping_prompt_only_xt_blocks_changes_no_loss_or_gradient(bs, origin, 
         assert start == 0  # one bidirectional block over the whole row: nothing to skip
     else:
         assert start >= 3 and not mb['weights'][:, :start].any()
+    assert hybrid.xt_start(mb['weights'], mb['offset'], bs, multiple=4) == start - start % 4
     net = hybrid.Hybrid(model)
 
     def run(s):
@@ -232,11 +233,16 @@ def test_skipping_prompt_only_xt_blocks_changes_no_loss_or_gradient(bs, origin, 
     ce, hits, grads = run(0)
     ce2, hits2, grads2 = run(start)
     assert torch.allclose(ce, ce2, rtol=1e-5) and torch.equal(hits, hits2)
-    for g, g2 in zip(grads, grads2):
-        assert torch.allclose(g, g2, atol=1e-6, rtol=1e-4)
-    if start:
-        ce3, _, _ = run(start + 1)  # a needed x_t column dropped (weights before it are 0, so it is a key, not a row)
-        assert not torch.allclose(ce[0], ce3[0], rtol=1e-5)
+    gap = lambda a, b: max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-12)) for x, y in zip(a, b))
+    assert gap(grads2, grads) < 1e-4  # fp32 rounding: every weight's gradient within 1e-4 of its largest entry
+    # the likely bug: cutting at the first corrupted position, not at the start of its block. Every weighted row is
+    # still computed, but its block-mates before it are gone as keys
+    hit = mb['weights'] > 0
+    first = int(torch.where(hit.any(1), hit.float().argmax(1), mb['x0'].shape[1]).min())
+    if origin == 'absolute':  # with 'response' the first corrupted token is often a block's first
+        assert first > start
+        _, _, grads3 = run(first)
+        assert gap(grads3, grads) > 1e-2
 
 
 def nemotron(model, prompts, **kw):

@@ -41,7 +41,7 @@ from skeleton import (init_distributed, precision, print0, all_sum, finish, fail
                       save_run, open_data, claim_out_dir, load_resume, model_for_run, mask_id_for_run, wrap, gathered,
                       adamw, full_state, resolve_config, RunLog, stop_if_not_finite, Saver, corruption_seeds,
                       fill_length, exact_match, causal_lm_error, lora_for_run, micro_steps, eval_rows,
-                      open_late_split, CurriculumSwitch)
+                      open_late_split)
 from data.loader import collate
 
 FAMILY = 'hybrid'  # this family's name: ckpt.pt and meta.json record it, a resume checks it
@@ -239,8 +239,8 @@ def family_settings_error(c):
                 f"block_size) and steps_per_block={c['steps_per_block']} >= 1")
     if not 0 <= c['threshold'] <= 1:
         return f"threshold={c['threshold']} must be in [0, 1] (0: the even schedule)"
-    if c['curriculum_iter'] < 0 or c['curriculum_loss'] < 0:
-        return f"curriculum_iter={c['curriculum_iter']} and curriculum_loss={c['curriculum_loss']} must be >= 0"
+    if c['curriculum_iter'] < 0:
+        return f"curriculum_iter={c['curriculum_iter']} must be >= 0"
     return None
 
 # -----------------------------------------------------------------------------
@@ -280,8 +280,6 @@ if __name__ == '__main__':
     # on a shorter one (the first operand read at a fixed offset; docs/defaults.md)
     curriculum_iter = 700  # the step the train split switches to curriculum_data: after the first plateau (lr 5e-3,
     # 8 heads: left by step ~450-650), early enough to leave 1,000 steps on add_short
-    curriculum_loss = 0.0  # > 0: switch at the first step >= curriculum_iter after 20 steps in a row with a training
-    # loss below this (the run has left its first plateau), not at curriculum_iter itself; 0 = at curriculum_iter
     # model
     model_type = 'qwen3'  # scratch architecture: 'qwen3' | 'llama'
     n_layer = 4  # transformer layers (scratch)
@@ -412,8 +410,6 @@ if __name__ == '__main__':
                                    checkpointed=raw_model if activation_checkpointing else None)  # the order: skeleton.wrap
     optimizer = adamw(net, learning_rate=learning_rate, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                       device_type=device_type, checkpoint=checkpoint)
-    switch = CurriculumSwitch(curriculum_iter, curriculum_loss)  # when late_ds takes over
-    switch.load(checkpoint and checkpoint.get('curriculum'))
     checkpoint = None  # free memory
 
     def save_checkpoint(step, metrics):
@@ -423,7 +419,7 @@ if __name__ == '__main__':
         # ckpt.pt, then the HF export hf/ (plain transformers loads it; sample.py --checkpoint out_dir uses it)
         save_run(out_dir, {'model': msd, 'optimizer': osd, 'step': step, 'family': FAMILY,
                            'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
-                           'mask_id': mask_id, 'torch_rng': torch.get_rng_state(), 'curriculum': switch.state()},
+                           'mask_id': mask_id, 'torch_rng': torch.get_rng_state()},
                  raw_model, msd, {**meta, 'mask_id': mask_id, 'family': FAMILY, 'module': MODULE, 'sampler': 'nemotron',
                                   'gen_length': gen_length, 'block_length': eval_block, 'steps_per_block': steps_per_block,
                                   'threshold': threshold, 'block_size': block_size, 'block_origin': block_origin},
@@ -493,7 +489,7 @@ if __name__ == '__main__':
             group['lr'] = lr
         # collate + corrupt every micro-batch first: the denominators are GLOBAL counts (corrupted, supervised)
         micro, fill_to = [], fill_length(seed, step, eos_fill)
-        ds = late_ds if late_ds is not None and switch.late(step) else train_ds
+        ds = late_ds if late_ds is not None and step >= curriculum_iter else train_ds
         for m in range(grad_accum):
             idx = batch_indices(len(ds), batch_size, seed=seed, step=step, micro_step=m, rank=ddp_rank,
                                 world_size=ddp_world_size, grad_accum=grad_accum)
@@ -526,7 +522,6 @@ if __name__ == '__main__':
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        switched = switch.update(step, step_loss) if late_ds is not None else ''  # '' or the line saying it switched
         dt = time.time() - t0
         t0 = time.time()
         d_sum, a_sum, d_hits, a_hits = loss_sum[1:].tolist()
@@ -538,8 +533,6 @@ if __name__ == '__main__':
                     f"diff_loss {d_sum:.4f} | ar_loss {a_sum:.4f} | diff_acc {metrics['diff_acc']:.3f} | "
                     f"ar_acc {metrics['ar_acc']:.3f} | sup {int(n_sup)} | tok/s {n_tok / dt:,.0f} | dt {dt*1000:.0f}ms")
             log(line, metrics, step)
-        if switched:
-            log(switched)
         # the eval at each eval_interval and the end; a checkpoint then, every ckpt_interval steps or minutes, and on
         # SIGINT/SIGTERM (saved, then the run exits)
         if saver.end_of_step(step, metrics):

@@ -355,42 +355,6 @@ def open_late_split(curriculum_data, data_dir, meta, text, max_seq_len, tokenize
     return late_ds
 
 
-class CurriculumSwitch:
-    """When a curriculum's train split takes over. loss_below 0: at step `at` (curriculum_iter). loss_below > 0: at
-    the first step >= `at` after `patience` steps in a row with a training loss below loss_below, i.e. once the run
-    has left the plateau that loss marks (a switch while a run is still on its first plateau held runs there:
-    docs/defaults.md); never, if it does not. state() goes into ckpt.pt and load() takes it back, so a resumed run
-    switches at the same step."""
-
-    def __init__(self, at, loss_below=0.0, patience=20):
-        self.at, self.loss_below, self.patience = at, loss_below, patience
-        self.below, self.since = 0, None  # steps in a row below loss_below; the first step on the late split
-
-    def late(self, step):
-        """Does step `step` (0-based: the one about to be computed) train on the late split?"""
-        if self.loss_below <= 0:
-            return step >= self.at
-        return self.since is not None and step >= self.since
-
-    def update(self, steps_done, loss):
-        """After `steps_done` optimizer steps, the last one's training loss -> a log line when it switches, else ''."""
-        if self.loss_below <= 0 or self.since is not None:
-            return ''
-        self.below = self.below + 1 if loss < self.loss_below else 0
-        if self.below >= self.patience and steps_done >= self.at:
-            self.since = steps_done
-            return (f'curriculum: the train split switches at step {steps_done} (training loss below '
-                    f'{self.loss_below} for {self.patience} steps)')
-        return ''
-
-    def state(self):
-        return {'below': self.below, 'since': self.since}
-
-    def load(self, state):
-        if state:
-            self.below, self.since = state['below'], state['since']
-
-
 def _claim(out_dir, ckpt_path, hf_dir, init_from, overwrite):
     """claim_out_dir's work on rank 0: (the lock file or None, (exit code, message); code 0 when claimed)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):

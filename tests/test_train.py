@@ -233,49 +233,6 @@ def test_curriculum_switches_the_train_split(script, data_dir, tmp_path):
     assert r.returncode == 2 and len(lines) == 1 and '/nonexistent/split' in lines[0], r.stderr[-2000:]
 
 
-def test_curriculum_switch_on_the_training_loss():
-    # curriculum_loss > 0: the late split from the first step >= curriculum_iter after `patience` steps in a row below
-    # the loss (a loss above resets the count); never without; the state a checkpoint holds continues the same way
-    from skeleton import CurriculumSwitch
-    fixed = CurriculumSwitch(3)
-    assert [fixed.late(s) for s in range(5)] == [False, False, False, True, True] and fixed.update(4, 0.0) == ''
-    seq = [2.0, 0.5, 1.5, 0.6, 1.2, 0.8, 0.7, 0.1]  # the loss after steps 1..8
-
-    def switched(losses, at=3, state=None, first=1):
-        sw = CurriculumSwitch(at, loss_below=1.0, patience=2)
-        sw.load(state)
-        for done, loss in enumerate(losses, first):
-            line = sw.update(done, loss)
-            assert bool(line) == (sw.since == done) and (not line or f'step {done} ' in line)
-        return sw
-    sw = switched(seq)
-    assert sw.since == 7 and [sw.late(s) for s in (6, 7, 8)] == [False, True, True]  # 2 in a row below: steps 6, 7
-    assert switched([0.5] * 8, at=5).since == 5  # below long before: switches at curriculum_iter
-    assert switched([2.0] * 8).since is None and not switched([2.0] * 8).late(100)
-    half = switched(seq[:6])  # a run saved after step 6 (one step below), resumed
-    assert switched(seq[6:], state=half.state(), first=7).since == 7
-
-
-def test_hybrid_loss_triggered_curriculum_resumes_exactly(data_dir, tmp_path):
-    # hybrid.py --curriculum_loss: the switch is logged at max(curriculum_iter, patience = 20) when every loss is below
-    # it, the losses change from there on (the late split), and a run killed before the switch resumes to the same
-    # losses (the switch state is in ckpt.pt)
-    from data.prepare import ensure_synthetic
-    late = str(tmp_path / 'add_short')
-    ensure_synthetic('add_short', late, max_seq_len=64, seed=0, n_train=2000, n_val=64)
-    a, b, c = (str(tmp_path / n) for n in ('switch', 'resumed', 'never'))
-    common = [f'--data_dir={data_dir}', '--lr_decay_iters=22', f'--curriculum_data={late}', '--curriculum_iter=3', *TINY,
-              '--eval_samples=0', '--eval_iters=0']
-    run('hybrid.py', f'--out_dir={a}', '--max_iters=22', '--curriculum_loss=1e9', *common)
-    run('hybrid.py', f'--out_dir={b}', '--max_iters=12', '--curriculum_loss=1e9', *common)
-    run('hybrid.py', f'--out_dir={b}', '--max_iters=22', '--curriculum_loss=1e9', '--init_from=resume', *common)
-    run('hybrid.py', f'--out_dir={c}', '--max_iters=22', '--curriculum_loss=1e-9', *common)
-    la, lb, lc = losses(a), losses(b), losses(c)
-    assert la == lb and [la[s] for s in range(1, 21)] == [lc[s] for s in range(1, 21)] and la[21] != lc[21]
-    for out, n in ((a, 1), (b, 1), (c, 0)):
-        assert open(os.path.join(out, 'log.txt')).read().count('the train split switches at step 20 ') == n
-
-
 @pytest.mark.parametrize('trained', ['llada.py', 'gemma_bd.py', 'dflash.py', 'idlm.py'], indirect=True)
 def test_lora_trains_adapters_only_and_exports_them(trained, data_dir, tmp_path, request):
     # the four ways a family gets its model: model_for_run (llada; scdd, hybrid and ar alike), gemma_bd's own builder

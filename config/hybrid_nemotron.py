@@ -27,6 +27,7 @@ eps = 1e-3
 block_size = 32
 corruption = 'uniform'
 block_origin = 'absolute'
+skip_prompt_blocks = True  # x_t blocks before the answer's first are not computed (same loss; hybrid.xt_start)
 ar_loss_alpha = 0.3
 learning_rate = 1e-5
 min_lr = 1e-6

@@ -4,8 +4,8 @@ hybrid.py: Nemotron-Labs-Diffusion hybrid: block diffusion and autoregression tr
 One forward over [x_t | x_0] (length 2L, the same position ids for both halves) under the block-diffusion mask
 (kernels.block_diffusion): a noisy x_t block attends bidirectionally inside itself and to the clean x_0 blocks
 strictly before it; x_0 is plainly causal (with skip_prompt_blocks, x_t's leading blocks that reach no loss, the
-prompt's, are not computed: xt_start). The x_t half predicts each [MASK] in place (same-position labels, no shift: the diffusion head), the x_0
-half predicts the next token (the AR head); both through the one LM head.
+prompt's, are not computed: xt_start). The x_t half predicts each [MASK] in place (same-position labels, no shift:
+the diffusion head), the x_0 half predicts the next token (the AR head); both through the one LM head.
 Corruption masks whole-sequence (llada's t ~ U, block_size = 0) or exactly k = round(m·len) tokens per block
 (m ~ U per block, Gumbel top-k biased toward later positions). Loss (NeMo AutoModel HybridDiffusionLLMLoss,
 nemo_automodel/components/loss/dllm_loss.py):

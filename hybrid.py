@@ -298,18 +298,19 @@ if __name__ == '__main__':
     #                           corrupt_blockwise) | 'uniform': one t per row (llada.py; NeMo's Nemotron recipe)
     block_origin = 'response'  # where the block grid starts: 'response' (every response starts a block, as the
     #                            sampler decodes) | 'absolute' (position 0, NeMo); docs/hybrid.md
-    skip_prompt_blocks = False  # True: x_t's leading blocks that reach no loss (the prompt's) are not computed
-    # (xt_start): the same loss and gradients, fewer tokens (~1/4 on add; long prompts: more). Off in the tiny
-    # default: its sweep measured the whole forward, and this same math in another float rounding left 2 of 3 seeds
-    # under 90 % (the default is that fragile; docs/defaults.md)
+    skip_prompt_blocks = True  # x_t's leading blocks that reach no loss (the prompt's) are not computed (xt_start):
+    # the same loss and gradients, fewer tokens (~1/4 on add: ~13 min instead of ~16; long prompts: more). Off = NeMo's
+    # whole x_t copy, another float rounding of the same math (the tiny default's sweep runs both; docs/defaults.md)
     half_life_ratio = 0.25  # blockwise corruption at small m: a slot's weight doubles every half_life_ratio * block_size
     #                         slots toward the block's end
-    ar_loss_alpha = 0.3  # scales the DIFFUSION term despite its name: loss = alpha * L_diff + L_ar (NeMo AutoModel's
-    #                     key and default, kept so its recipe maps one to one)
+    ar_loss_alpha = 1.0  # scales the DIFFUSION term despite its name: loss = alpha * L_diff + L_ar (NeMo AutoModel's
+    # key; its recipe's 0.3 is in config/hybrid_nemotron.py). 1.0 here, a deliberate difference: on add the diffusion
+    # term leaves the first plateau before the AR term and pulls it along; at 0.3 the exit was a draw (step ~450 to
+    # past 1,000) and runs of another float rounding stalled (12 and 70 %; docs/defaults.md)
     # optimizer
     learning_rate = 5e-3  # peak AdamW learning rate: on add, 5e-3 leaves the first plateau earlier (seed 3: step ~500;
     # 2e-3: ~850, and a run that leaves it late in a short schedule stays there; docs/defaults.md)
-    max_iters = 1700  # optimizer steps: ~17 min on 2 cores (~0.6 s a step: [x_t | x_0] is twice llada's tokens).
+    max_iters = 1700  # optimizer steps: ~13 min on 2 cores (~0.45 s a step: [x_t | x_0] is twice llada's tokens).
     # 1,500 left one seed of five at 87 % (still converging after a late plateau exit); 2e-3, 4 heads, EOS fill 32
     # and no curriculum needed 2,000 steps, ~23 min (docs/defaults.md)
     weight_decay = 0.1  # AdamW weight decay (2-D weights only)

@@ -15,3 +15,5 @@ eos_fill = 32
 gen_length = 24  # 16 cells + EOS, in blocks of 8
 block_size = 8
 steps_per_block = 8
+ar_loss_alpha = 0.3  # NeMo's weight, as measured in docs/hybrid.md (the add default weights the terms equally)
+skip_prompt_blocks = False  # the whole x_t copy, as measured (the same math either way)

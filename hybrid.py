@@ -306,7 +306,8 @@ if __name__ == '__main__':
     ar_loss_alpha = 1.0  # scales the DIFFUSION term despite its name: loss = alpha * L_diff + L_ar (NeMo AutoModel's
     # key; its recipe's 0.3 is in config/hybrid_nemotron.py). 1.0 here, a deliberate difference: on add the diffusion
     # term leaves the first plateau before the AR term and pulls it along; at 0.3 the exit was a draw (step ~450 to
-    # past 1,000) and runs of another float rounding stalled (12 and 70 %; docs/defaults.md)
+    # past 1,000) and runs of another float rounding stalled (12 and 70 %); at 1.0 rarer, not gone (1 of 10 runs over
+    # two roundings stalled at 2.85 %; docs/defaults.md)
     # optimizer
     learning_rate = 5e-3  # peak AdamW learning rate: on add, 5e-3 leaves the first plateau earlier (seed 3: step ~500;
     # 2e-3: ~850, and a run that leaves it late in a short schedule stays there; docs/defaults.md)

@@ -38,6 +38,11 @@ def test_fresh_problems_skip_every_train_and_val_prompt(tmp_path):
         r['messages'][0]['content'] for r in both}
 
 
+def test_short_operand_is_a_1_or_2_digit_operand_on_either_side():
+    assert [sweep.short_operand(p) for p in ('100+999', '5+123', '123+45', '0+0', '999+100', '99+100')] == [
+        False, True, True, True, False, True]
+
+
 def test_summary_min_median_max_and_targets():
     stages = [('a', [], 90.0), ('b', [], 'a'), ('c', [], None)]
     rows = [dict(stage='a', seed=s, threads=t, fresh=f, ok=f >= 90.0)
@@ -47,6 +52,10 @@ def test_summary_min_median_max_and_targets():
     assert len(lines) == 2  # no line for a stage without runs
     assert 'min 89.50 | median 90.50 | max 95.00' in lines[0] and '3/4 >= 90 %' in lines[0]
     assert 'no accuracy' in lines[1] and '0/1 >= a - 1' in lines[1]
+    assert 'short operands' not in lines[0]  # rows without the split (not add)
+    for r, s in zip(rows, [40.0, 80.0, 10.0, 60.0]):
+        r['fresh_short'] = s
+    assert 'short operands: min 10.00 | median 50.00 | max 80.00' in sweep.summarize(rows, stages).splitlines()[0]
 
 
 def test_a_tiny_sweep_trains_scores_and_resumes(tmp_path):
@@ -65,6 +74,12 @@ def test_a_tiny_sweep_trains_scores_and_resumes(tmp_path):
     assert len(fresh) == 16
     log = open(tmp_path / 'sw' / 'llada-s5-t1.eval.log').read()
     assert '(16 problems' in log or '/16)' in log  # scored on exactly the fresh file
+    # and on its short-operand part (the rule written out here, not sweep.short_operand)
+    short = [p for p in fresh if min(len(x) for x in p.split('+')) <= 2]
+    got = [json.loads(line)['messages'][0]['content'] for line in open(tmp_path / 'sw' / 'fresh_add_short.jsonl')]
+    assert got == short
+    log = open(tmp_path / 'sw' / 'llada-s5-t1.eval_short.log').read()
+    assert f'/{len(short)})' in log and 0 <= rows[0]['fresh_short'] <= 100
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and len(open(tmp_path / 'sw' / 'results.jsonl').readlines()) == 1  # done: skipped
     assert '1 runs' in r.stdout

@@ -4,8 +4,6 @@ Synthetic chat tasks with exactly checkable answers, small enough to train on a 
     add:    '123+45'              -> '168'               operands uniform in 0..999
     add_short: add with a quarter of second operands of 1-2 digits (uniform add: a tenth), never one of add's
             problems (its default splits at the same seed): llada's second training phase (docs/llada.md)
-    add_short_ab: add_short with a third of first operands and a third of second operands of 1-2 digits (5/9 of
-            problems have one), never one of add's problems: scdd's second training phase (docs/scdd.md)
     sort:   '90210'               -> '00129'             1..10 digits, length uniform
     sudoku: '1.../...4/2.../...3' -> '1432321423414123'    4x4 grid, rows joined by '/', '.' = blank;
             the puzzle has exactly one solution (checked by a tiny solver); the answer is the 16-char solved grid
@@ -26,7 +24,7 @@ import os
 import random
 import sys
 
-TASKS = ('add', 'add_short', 'add_short_ab', 'sort', 'sudoku')
+TASKS = ('add', 'add_short', 'sort', 'sudoku')
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -48,16 +46,9 @@ def _add_short(rng):
     return f'{a}+{b}', str(a + b)
 
 
-def _add_short_ab(rng):
-    # either operand short, each with P = 1/3 independently: a run that reads an operand at a fixed offset from the
-    # '+' or the prompt's end is wrong on 5/9 of these (add: 19 %, add_short: 32.5 %), on either side (docs/scdd.md)
-    a, b = (rng.randint(0, 99) if rng.random() < 1 / 3 else rng.randint(100, 999) for _ in range(2))
-    return f'{a}+{b}', str(a + b)
-
-
 # task -> (task, n): its problems avoid the first n of that task at the same seed (add's default train + val), so a
 # run that trains on add and then on add_short never trains on add's val problems
-AVOID = {'add_short': ('add', 20000 + 500), 'add_short_ab': ('add', 20000 + 500)}
+AVOID = {'add_short': ('add', 20000 + 500)}
 
 
 def _sort(rng):
@@ -128,7 +119,7 @@ def make_problems(task, n, seed):
     ValueError for an unknown task or more records than the task has distinct prompts."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r} (expected one of {', '.join(TASKS)})")
-    make = {'add': _add, 'add_short': _add_short, 'add_short_ab': _add_short_ab, 'sort': _sort, 'sudoku': _sudoku}[task]
+    make = {'add': _add, 'add_short': _add_short, 'sort': _sort, 'sudoku': _sudoku}[task]
     rng = random.Random(f'{task}-{seed}')  # str seeds hash deterministically (sha512), unlike hash()
     seen, records, tries = set(), [], 0
     if task in AVOID:

@@ -313,10 +313,17 @@ def attention_mask(model, mask_mod, B, Q, K, device):
     its eager attention adds it to the scores, so a bool mask there would add 1 to every visible score."""
     if uses_flex(model):
         return kernels.block_mask(mask_mod, B, Q, K, device)
-    dense = kernels.dense_mask(mask_mod, B, Q, K, device)
-    if getattr(model.config, '_attn_implementation', 'sdpa') == 'eager':
-        return torch.zeros(dense.shape, device=device).masked_fill_(~dense, torch.finfo(torch.float32).min)
-    return dense
+    return model_mask(model, kernels.dense_mask(mask_mod, B, Q, K, device))
+
+
+def model_mask(model, mask):
+    """A 4-D bool mask (True = attend) as the model's attention takes it: for eager attention an additive float mask
+    (0 / the float32 minimum; transformers passes a 4-D mask through unchanged and eager adds it to the scores), else
+    the mask itself. forward() and tapped_forward() apply it, so the samplers' bool masks work under eager too."""
+    if (mask is not None and mask.dim() == 4 and mask.dtype == torch.bool
+            and getattr(model.config, '_attn_implementation', 'sdpa') == 'eager'):
+        return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    return mask
 
 # -----------------------------------------------------------------------------
 # forward and KV cache (sampling)
@@ -352,12 +359,12 @@ def _cache_kw(module):
 
 
 def forward(model, x, *, mask=None, pos=None, keep=0, cache=None):
-    """Logits (B, keep or N, V) of x (B, N) with an optional attention mask (2-D padding mask, or a 4-D mask from
-    attention_mask()), position ids (B, N) and a KV cache that this call appends x's keys/values to."""
+    """Logits (B, keep or N, V) of x (B, N) with an optional attention mask (2-D padding mask, a 4-D bool mask, or one
+    from attention_mask()), position ids (B, N) and a KV cache that this call appends x's keys/values to."""
     takes_pos, takes_keep, _ = _forward_kwargs(getattr(model.forward, '__func__', model.forward))
     kw = {}
     if mask is not None:
-        kw['attention_mask'] = mask
+        kw['attention_mask'] = model_mask(model, mask)
     if pos is not None and takes_pos:
         kw['position_ids'] = pos
     if keep and takes_keep:
@@ -377,7 +384,7 @@ def tapped_forward(model, x, layer_ids, *, mask=None, pos=None, cache=None, logi
     takes_pos = _forward_kwargs(getattr(decoder.forward, '__func__', decoder.forward))[0]
     kw = {'use_cache': False} if cache is None else {'use_cache': True, _cache_kw(decoder): cache}
     if mask is not None:
-        kw['attention_mask'] = mask
+        kw['attention_mask'] = model_mask(model, mask)
     if pos is not None and takes_pos:
         kw['position_ids'] = pos
     out = decoder(input_ids=x, output_hidden_states=True, **kw)

@@ -96,6 +96,26 @@ def test_eager_attention_takes_the_same_mask_as_sdpa(layout):
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 
+def test_sampler_forwards_take_a_bool_mask_under_eager():
+    # the samplers pass bool 4-D masks (True = attend) to hf.forward / tapped_forward; eager attention adds a 4-D mask
+    # to the scores, so those must convert it (they did not: idlm's sampler scored 76.2 % instead of 90.8 % on sudoku
+    # with an eager model, and every eager run's own eval used that sampler)
+    B, T = 2, 24
+    sdpa, eager = tiny(False), tiny(False, attn='eager')
+    eager.load_state_dict(sdpa.state_dict())
+    x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+    kv = key_valid(B, T)
+    mask = kernels.dense_mask(kernels.causal_prefix(T // 2, kv), B, T, T, 'cpu')  # causal prompt, bidir. tail, padding
+    assert mask.dtype == torch.bool
+    with torch.no_grad():
+        a, b = hf.forward(sdpa, x, mask=mask), hf.forward(eager, x, mask=mask)
+        (ta, fa), (tb, fb) = (hf.tapped_forward(m, x, [0, 1], mask=mask) for m in (sdpa, eager))
+        plain = hf.forward(sdpa, x)
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert torch.allclose(ta, tb, atol=1e-5) and torch.allclose(fa, fb, atol=1e-5)
+    assert not torch.allclose(a, plain, atol=1e-3), 'the mask changes nothing: the test would pass without it'
+
+
 def test_forward_keywords_are_looked_up_once_per_function():
     model = tiny(False)
     calls = []

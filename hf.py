@@ -321,7 +321,7 @@ def model_mask(model, mask):
     (0 / the float32 minimum; transformers passes a 4-D mask through unchanged and eager adds it to the scores), else
     the mask itself. forward() and tapped_forward() apply it, so the samplers' bool masks work under eager too."""
     if (mask is not None and mask.dim() == 4 and mask.dtype == torch.bool
-            and getattr(model.config, '_attn_implementation', 'sdpa') == 'eager'):
+            and getattr(getattr(model, 'config', None), '_attn_implementation', 'sdpa') == 'eager'):
         return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)
     return mask
 

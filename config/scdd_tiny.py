@@ -7,6 +7,7 @@ dataset = 'add'
 batch_size = 256
 max_seq_len = 64
 supervise_padding = True
+eos_fill = 8  # scdd.py: rows end in EOS, not PAD, up to the batch's longest (docs/defaults.md: scdd in a second rounding)
 n_layer = 4
 n_head = 8  # scdd.py: more heads leave the plateau sooner (llada.py's change)
 n_kv_head = 8

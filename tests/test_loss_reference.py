@@ -141,6 +141,7 @@ def test_scdd_logged_loss_is_the_nelbo_over_global_supervised_count(data_dir, tm
     sched = {k: cfg[k] for k in ('uniform_ratio', 'schedule_shape', 'schedule_peak')}
     sched['uniform_ratio'] = 0.4  # at step 0 (ratio_at is not used here: the ramp is spelled out above)
     global_batch = cfg['batch_size'] * cfg['gradient_accumulation_steps']
+    fill = scdd.fill_length(cfg['seed'], 0, cfg['eos_fill'])  # step 0's EOS fill: scored, not in the denominator
     num = den = 0.0
     kinds = set()
     with torch.no_grad():
@@ -148,12 +149,12 @@ def test_scdd_logged_loss_is_the_nelbo_over_global_supervised_count(data_dir, tm
             t = scdd.sample_times(cfg['seed'], 0, rows, global_batch, eps=cfg['eps'], num_timesteps=T)
             mb = scdd.make_batch(examples, scdd.corruption_seeds(cfg['seed'], 0, rows, global_batch), t,
                                  pad_id=meta['pad_id'], eos_id=meta['eos_id'], mask_id=m, vocab_size=V,
-                                 max_seq_len=cfg['max_seq_len'], block_size=cfg['pad_block_size'],
+                                 max_seq_len=cfg['max_seq_len'], block_size=cfg['pad_block_size'], fill_to=fill,
                                  pad_seq_len_divisible=cfg['pad_seq_len_divisible'],
                                  supervise_padding=cfg['supervise_padding'], pack=False, **sched)
             x0, xt, lm = mb['targets'], mb['input_ids'], mb['loss_mask']
-            sup = lm > 0
-            assert torch.equal(mb['scored'], sup) and torch.equal(xt[~sup], x0[~sup])
+            sup = mb['scored']  # every supervised position, the EOS fill included
+            assert torch.equal(xt[~sup], x0[~sup]) and bool((lm > 0)[~sup].logical_not().all())
             kinds |= {'masked' if z == m else 'clean' if z == x else 'changed' for z, x in zip(xt[sup], x0[sup])}
             logits = model(xt).logits.double()[sup]  # (n, V)
             tt = mb['times'][sup]

@@ -379,9 +379,9 @@ if __name__ == '__main__':
     # starts; at 3e-3 one of five runs left it after step 1,000, docs/defaults.md)
     max_iters = 3000  # optimizer steps. 3,000, not llada.py's 2,000: scdd's runs leave the second (short-operand)
     # plateau later; with the curriculum, 5 seeds scored 82.50-96.55 % at 2,000 steps (2 of 5 >= 90 %) and
-    # 92.10-99.05 % at 3,000 (5 of 5; docs/defaults.md). ~14 min at 2 threads (0.27-0.29 s/step). In a second float
+    # 92.10-99.05 % at 3,000 (5 of 5; docs/defaults.md). ~13-14 min at 2 threads (0.25-0.29 s/step). In a second float
     # rounding 3 of 5 (86.90 and 88.70 %: short operands still on the plateau; more steps gained little there);
-    # with eos_fill 8 (the default since 2026-12-07) 8 of 8 over both roundings, 91.35-98.75 %
+    # with eos_fill 8 (the default since 2026-12-07) 10 of 10 over both roundings, 91.35-99.25 %
     weight_decay = 0.1  # AdamW weight decay (2-D weights only)
     beta1 = 0.9  # AdamW beta1
     beta2 = 0.98  # AdamW beta2

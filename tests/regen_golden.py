@@ -10,7 +10,8 @@ must match them. So:
     change) must change them: regenerate in the same commit and say in the message why the numbers moved;
   - a torch upgrade (or another BLAS) may move them past the tolerance: regenerate after checking that the other
     tests (the independent references in test_loss_reference.py, test_llada.py, test_ar.py) still pass.
-Values: CPU, float32, one thread (OMP_NUM_THREADS=1), as logged (6 decimals); the test compares at 1e-5 relative.
+Values: CPU, float32, one thread (OMP_NUM_THREADS=1), as logged (6 decimals); the test compares at 1e-4 relative
+(another CPU's rounding moves them by ~1e-5).
 They hold for the torch version recorded in the file; the test names both versions when it fails.
 
     python tests/regen_golden.py              # every family (about 30 s on 2 cores)

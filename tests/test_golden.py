@@ -1,5 +1,5 @@
 """Golden losses: each family script's tiny run (10 steps, 2 accumulation micro-steps, CPU float32, one thread) logs
-exactly the losses recorded in tests/golden_losses.json, to 1e-5 relative. They pin the data order, the corruption
+the losses recorded in tests/golden_losses.json, to 1e-4 relative. They pin the data order, the corruption
 noise, the init, the loss and the optimizer at once; tests/regen_golden.py says when (and when not) to regenerate.
 Run: python -m pytest -q tests/test_golden.py"""
 import json
@@ -12,7 +12,10 @@ import regen_golden as golden
 
 pytestmark = pytest.mark.slow  # end-to-end runs: not in the fast tier (-m 'not slow')
 
-RTOL = 1e-5
+# 1e-4, not 1e-5: another CPU's float rounding at one thread moved scdd's step-3 loss by 1.15e-5 relative
+# (3.829389 against 3.829433, 2026-12-07, same torch), while any change to the math moves these losses by ~1e-3 or far
+# more (scdd's eos_fill 8 default moved them by 6-18 %)
+RTOL = 1e-4
 
 
 @pytest.fixture(scope='module')

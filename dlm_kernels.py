@@ -342,9 +342,10 @@ def block_diffusion(L, block_size, key_valid=None, causal_in_block=False, offset
     b's block of position i is (i + offset[b]) // block_size: hybrid.py's block_origin='response' starts a block at each
     response). key_valid (B, L) applies to keys of both copies (k mod L, i.e. by position).
     start > 0: the x_t copy holds only positions start..L-1 (layout [x_t[start:] | x_0], length 2L - start; hybrid.py
-    drops x_t blocks that are all prompt: no query that reaches a loss attends to them).
+    drops x_t blocks that are all prompt: no query that reaches a loss attends to them); start = L: x_0 alone, causal
+    (hybrid.py's AR-only steps).
     No fully-masked row: the diagonal (x_t[i] -> x_t[i], x_0[i] -> x_0[i]) is always kept."""
-    assert 0 <= start < L, f'start={start} must be in [0, L={L})'
+    assert 0 <= start <= L, f'start={start} must be in [0, L={L}]'
     n = L - start  # x_t columns
 
     def mask_mod(b, h, q, kv):

@@ -226,8 +226,8 @@ def family_settings_error(c):
         return f"block_origin={c['block_origin']!r} must be 'absolute' or 'response'"
     if c['corruption'] not in ('blockwise', 'uniform'):
         return f"corruption={c['corruption']!r} must be 'blockwise' or 'uniform'"
-    if c['ar_loss_alpha'] < 0:
-        return f"ar_loss_alpha={c['ar_loss_alpha']} must be >= 0"
+    if c['ar_loss_alpha'] < 0 or c['ar_only_iters'] < 0:
+        return f"ar_loss_alpha={c['ar_loss_alpha']} and ar_only_iters={c['ar_only_iters']} must be >= 0"
     if not 0 < c['eps'] < 1:
         return f"eps={c['eps']} must be in (0, 1)"
     if c['eos_fill'] < 0 or c['mask_id'] < -1 or c['pad_block_size'] < 1:
@@ -308,6 +308,9 @@ if __name__ == '__main__':
     # term leaves the first plateau before the AR term and pulls it along; at 0.3 the exit was a draw (step ~450 to
     # past 1,000) and runs of another float rounding stalled (12 and 70 %); at 1.0 rarer, not gone (1 of 10 runs over
     # two roundings stalled at 2.85 %; docs/defaults.md)
+    ar_only_iters = 0  # the first ar_only_iters steps train the AR term alone (x_t not computed: ~half a step's
+    # cost); the diffusion term joins after. The real recipe converts an AR checkpoint; from scratch on add, the AR
+    # term alone left the first plateau where the joint loss stalled (docs/defaults.md)
     # optimizer
     learning_rate = 5e-3  # peak AdamW learning rate: on add, 5e-3 leaves the first plateau earlier (seed 3: step ~500;
     # 2e-3: ~850, and a run that leaves it late in a short schedule stays there; docs/defaults.md)
@@ -380,10 +383,13 @@ if __name__ == '__main__':
                           block_origin=block_origin, fill_to=0 if text else fill_to, pad_block_size=pad_block_size,
                           pad_seq_len_divisible=pad_seq_len_divisible, supervise_padding=supervise_padding)
 
-    def forward(mb):
-        """(Σ diffusion CE, Σ AR CE), (hits, hits) of micro-batch mb (train_model: DDP/FSDP see one call)."""
+    def forward(mb, ar_only=False):
+        """(Σ diffusion CE, Σ AR CE), (hits, hits) of micro-batch mb (train_model: DDP/FSDP see one call); ar_only:
+        x_0 alone (the diffusion sums are 0)."""
         on = lambda k: mb[k].to(device)
         start = xt_start(mb['weights'], mb['offset'], block_size, pad_seq_len_divisible) if skip_prompt_blocks else 0
+        if ar_only:
+            start = mb['x0'].shape[1]  # no x_t column: the AR forward (x_0 never attends x_t)
         return train_model(on('xt'), on('x0'), on('weights'), on('ar_targets'), on('ar_weights'),
                            attention_for(raw_model, mb, device, block_size, start), start=start)
 
@@ -494,6 +500,7 @@ if __name__ == '__main__':
         for group in optimizer.param_groups:
             group['lr'] = lr
         # collate + corrupt every micro-batch first: the denominators are GLOBAL counts (corrupted, supervised)
+        ar_only = step < ar_only_iters  # the AR term alone: x_t is not computed
         micro, fill_to = [], fill_length(seed, step, eos_fill)
         ds = late_ds if late_ds is not None and step >= curriculum_iter else train_ds
         for m in range(grad_accum):
@@ -514,9 +521,9 @@ if __name__ == '__main__':
                 # set before forward: DDP reads it there (setting it late silently breaks accumulation)
                 train_model.require_backward_grad_sync = last
             with autocast:
-                ce, n_correct = forward(mb)
+                ce, n_correct = forward(mb, ar_only)
                 diff, ar = ce[0] / max(n_noise, 1.0), ce[1] / max(n_sup, 1.0)  # NeMo: /corrupted, /supervised
-                loss = ar_loss_alpha * diff + ar
+                loss = ar if ar_only else ar_loss_alpha * diff + ar
             # DDP/FSDP average gradients over ranks; the loss is already a global mean, so undo the 1/world
             (loss * ddp_world_size).backward()
             loss_sum += torch.cat([torch.stack([loss, diff, ar]).detach().float(), n_correct.float()])

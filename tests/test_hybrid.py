@@ -245,6 +245,30 @@ def test_skipping_prompt_only_xt_blocks_changes_no_loss_or_gradient(bs, origin, 
         assert gap(grads3, grads) > 1e-2
 
 
+def test_ar_only_forward_is_the_plain_causal_lm_loss():
+    # ar_only_iters' steps: Hybrid with start = L (no x_t column) against F.cross_entropy on the logits of a plain
+    # causal forward of x_0 alone (the HF model's own mask): the AR sum, its hits and its gradients; no diffusion sum
+    torch.manual_seed(6)
+    model = tiny_model()
+    examples = [(torch.randint(0, 30, (n,)).numpy(), (torch.arange(n) >= 4).float().numpy()) for n in (10, 13, 8)]
+    mb = hybrid.make_batch(examples, seeds(3, 7), pad_id=PAD, eos_id=EOS, mask_id=MASK, eps=0.3, max_seq_len=32,
+                           block_size=4, block_origin='response', fill_to=16)
+    B, L = mb['x0'].shape
+    net = hybrid.Hybrid(model)
+    (d, a), (dh, ah) = net(mb['xt'], mb['x0'], mb['weights'], mb['ar_targets'], mb['ar_weights'],
+                           hybrid.attention_for(model, mb, 'cpu', 4, start=L), start=L)
+    assert float(d) == 0 and int(dh) == 0
+    ga = torch.autograd.grad(a, list(model.parameters()))
+    x0, lm = mb['x0'], mb['loss_mask'][:, 1:].double()
+    logits = model(input_ids=x0).logits.double()[:, :-1]
+    ce = F.cross_entropy(logits.flatten(0, 1), x0[:, 1:].flatten(), reduction='none').view(B, L - 1)
+    ref = (ce * lm).sum()
+    assert torch.isclose(a.double(), ref, rtol=1e-5)
+    assert int(ah) == int(((logits.argmax(-1) == x0[:, 1:]) & (lm > 0)).sum())
+    gr = torch.autograd.grad(ref, list(model.parameters()))
+    assert all(torch.allclose(x, y.float(), atol=1e-5, rtol=1e-4) for x, y in zip(ga, gr))
+
+
 def nemotron(model, prompts, **kw):
     kw = dict(sampler='nemotron', pad_id=PAD, eos_id=EOS, mask_id=MASK, **kw)
     return sample.generate(model, prompts, **kw)

@@ -10,6 +10,9 @@ Corruption masks whole-sequence (llada's t ~ U, block_size = 0) or exactly k = r
 (m ~ U per block, Gumbel top-k biased toward later positions). Loss (NeMo AutoModel HybridDiffusionLLMLoss,
 nemo_automodel/components/loss/dllm_loss.py):
     ar_loss_alpha · Σ CE(x_t → x_0)/p over corrupted supervised tokens / #corrupted  +  Σ CE(x_0[i] → x_0[i+1]) / #supervised
+The tiny default's first ar_only_iters steps train the AR term alone (x_t not computed): NeMo starts from an AR
+checkpoint; from scratch on add, the AR start leaves the first plateau where the joint loss could stall
+(docs/defaults.md).
 The model stays an ordinary causal LM: KV-cached AR decoding works as is, and block diffusion decodes against the
 same KV cache (sample.py --sampler nemotron). Efficient-DLM arXiv 2512.14067; NVIDIA Nemotron-Labs-Diffusion.
 
@@ -226,8 +229,9 @@ def family_settings_error(c):
         return f"block_origin={c['block_origin']!r} must be 'absolute' or 'response'"
     if c['corruption'] not in ('blockwise', 'uniform'):
         return f"corruption={c['corruption']!r} must be 'blockwise' or 'uniform'"
-    if c['ar_loss_alpha'] < 0 or c['ar_only_iters'] < 0:
-        return f"ar_loss_alpha={c['ar_loss_alpha']} and ar_only_iters={c['ar_only_iters']} must be >= 0"
+    if min(c['ar_loss_alpha'], c['ar_only_iters'], c['ar_only_loss']) < 0 or c['ar_only_patience'] < 1:
+        return (f"ar_loss_alpha={c['ar_loss_alpha']}, ar_only_iters={c['ar_only_iters']} and "
+                f"ar_only_loss={c['ar_only_loss']} must be >= 0, ar_only_patience={c['ar_only_patience']} >= 1")
     if not 0 < c['eps'] < 1:
         return f"eps={c['eps']} must be in (0, 1)"
     if c['eos_fill'] < 0 or c['mask_id'] < -1 or c['pad_block_size'] < 1:
@@ -304,13 +308,14 @@ if __name__ == '__main__':
     half_life_ratio = 0.25  # blockwise corruption at small m: a slot's weight doubles every half_life_ratio * block_size
     #                         slots toward the block's end
     ar_loss_alpha = 1.0  # scales the DIFFUSION term despite its name: loss = alpha * L_diff + L_ar (NeMo AutoModel's
-    # key; its recipe's 0.3 is in config/hybrid_nemotron.py). 1.0 here, a deliberate difference: on add the diffusion
-    # term leaves the first plateau before the AR term and pulls it along; at 0.3 the exit was a draw (step ~450 to
-    # past 1,000) and runs of another float rounding stalled (12 and 70 %); at 1.0 rarer, not gone (1 of 10 runs over
-    # two roundings stalled at 2.85 %; docs/defaults.md)
-    ar_only_iters = 0  # the first ar_only_iters steps train the AR term alone (x_t not computed: ~half a step's
-    # cost); the diffusion term joins after. The real recipe converts an AR checkpoint; from scratch on add, the AR
-    # term alone left the first plateau where the joint loss stalled (docs/defaults.md)
+    # key; its recipe's 0.3 is in config/hybrid_nemotron.py). 1.0 here, a deliberate difference: without ar_only_iters
+    # the joint loss left add's first plateau sooner at 1.0 than at 0.3 (docs/defaults.md); kept with the AR-only start
+    ar_only_iters = 0  # at most this many first steps train the AR term alone (x_t not computed: ~0.6x a step's
+    # cost), then the diffusion term joins: an AR start, as Nemotron-Labs-Diffusion converts an AR checkpoint. From
+    # scratch on add the joint loss left its first plateau at a random step (~350 to never); the AR term alone left
+    # it at step 340-650 and the diffusion term then learned in ~50 steps (docs/defaults.md)
+    ar_only_loss = 0.0  # > 0: the AR-only start ends sooner, once the AR loss has been below this for
+    ar_only_patience = 20  # ... this many steps in a row (the AR model has left its plateau)
     # optimizer
     learning_rate = 5e-3  # peak AdamW learning rate: on add, 5e-3 leaves the first plateau earlier (seed 3: step ~500;
     # 2e-3: ~850, and a run that leaves it late in a short schedule stays there; docs/defaults.md)
@@ -401,6 +406,8 @@ if __name__ == '__main__':
     if init_from == 'resume':
         checkpoint, saved = load_resume(ckpt_path, FAMILY, config, given)
         start_step = checkpoint['step']
+    # the AR-only start: [the step it ended (-1: not yet), consecutive steps with the AR loss below ar_only_loss]
+    ar_phase = list(checkpoint.get('ar_phase', [-1, 0])) if checkpoint else [-1, 0]
     problem = init_from not in ('scratch', 'resume') and causal_lm_error(init_from)  # one causal model, both modes
     if problem:
         fail(f'init_from: {problem}; hybrid.py starts from a causal LM (ar.py, idlm.py or a HF causal LM)', 2)
@@ -431,7 +438,7 @@ if __name__ == '__main__':
         # ckpt.pt, then the HF export hf/ (plain transformers loads it; sample.py --checkpoint out_dir uses it)
         save_run(out_dir, {'model': msd, 'optimizer': osd, 'step': step, 'family': FAMILY,
                            'model_args': raw_model.config.to_json_string(), 'config': config, 'metrics': metrics,
-                           'mask_id': mask_id, 'torch_rng': torch.get_rng_state()},
+                           'mask_id': mask_id, 'torch_rng': torch.get_rng_state(), 'ar_phase': ar_phase},
                  raw_model, msd, {**meta, 'mask_id': mask_id, 'family': FAMILY, 'module': MODULE, 'sampler': 'nemotron',
                                   'gen_length': gen_length, 'block_length': eval_block, 'steps_per_block': steps_per_block,
                                   'threshold': threshold, 'block_size': block_size, 'block_origin': block_origin},
@@ -500,7 +507,7 @@ if __name__ == '__main__':
         for group in optimizer.param_groups:
             group['lr'] = lr
         # collate + corrupt every micro-batch first: the denominators are GLOBAL counts (corrupted, supervised)
-        ar_only = step < ar_only_iters  # the AR term alone: x_t is not computed
+        ar_only = step < ar_only_iters and ar_phase[0] < 0  # the AR term alone: x_t is not computed
         micro, fill_to = [], fill_length(seed, step, eos_fill)
         ds = late_ds if late_ds is not None and step >= curriculum_iter else train_ds
         for m in range(grad_accum):
@@ -538,6 +545,12 @@ if __name__ == '__main__':
         dt = time.time() - t0
         t0 = time.time()
         d_sum, a_sum, d_hits, a_hits = loss_sum[1:].tolist()
+        if ar_only and ar_only_loss > 0:  # a_sum is the global AR loss: every rank takes the same decision
+            ar_phase[1] = ar_phase[1] + 1 if a_sum < ar_only_loss else 0
+            if ar_phase[1] >= ar_only_patience:
+                ar_phase[0] = step
+                print0(f'step {step}: the AR loss has been below {ar_only_loss} for {ar_only_patience} steps: '
+                       f'the diffusion term joins')
         metrics = {'step': step, 'loss': step_loss, 'grad_norm': float(grad_norm), 'lr': lr, 'diff_loss': d_sum,
                    'ar_loss': a_sum, 'diff_acc': d_hits / max(n_noise, 1.0), 'ar_acc': a_hits / max(n_sup, 1.0),
                    'supervised_tokens': int(n_sup), 'tok_per_s': n_tok / dt}

@@ -34,7 +34,7 @@ FAMILIES = {  # script -> its tiny run's arguments (data_dir and out_dir are add
     'llada.py': COMMON,
     'ar.py': COMMON,
     'scdd.py': COMMON + ['--uniform_warmup=0'],  # the paper's forward process from step 0 (no ramp)
-    'hybrid.py': COMMON,
+    'hybrid.py': COMMON + ['--ar_only_iters=3'],  # an AR-only start (ar_only_iters), then both terms
     'gemma_bd.py': COMMON,
     'idlm.py': COMMON + ['--init_from=scratch', '--block_length=2'],  # a random causal model: no checkpoint to convert
 }

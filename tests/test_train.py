@@ -35,15 +35,18 @@ def ar_target(data_dir, tmp_path_factory):
     return out
 
 
-def extra(script, request, convert=False):
+def extra(script, request, convert=False, ar_only=('--ar_only_iters=0',)):
     """The arguments a script needs beyond TINY: dflash.py its target (the tiny ar.py run), its taps and blocks;
     idlm.py its stride, and with convert=True the tiny ar.py run to convert (else a random causal model); scdd.py
-    a uniform_warmup short enough to end inside the run."""
+    a uniform_warmup short enough to end inside the run; hybrid.py its AR-only start (ar_only: none unless a test
+    asks)."""
     if script == 'idlm.py':
         start = request.getfixturevalue('ar_target') if convert else 'scratch'
         return [f'--init_from={start}', '--block_length=2', '--gen_length=6']
     if script == 'scdd.py':  # the ramp of uniform noise inside these short runs (the resume test restarts in it)
         return ['--uniform_warmup=4']
+    if script == 'hybrid.py':
+        return list(ar_only)
     if script != 'dflash.py':
         return []
     return [f"--target={request.getfixturevalue('ar_target')}", '--target_layer_ids=0,1', '--block_size=4',
@@ -99,7 +102,9 @@ def test_resume_is_bit_exact(data_dir, tmp_path, script, request):
     # the resumed half also turns activation checkpointing on: recomputing every block in backward changes no
     # number either (losses, weights and AdamW moments bit for bit), and the run says how many blocks it checkpoints
     a, b = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
-    common = [f'--data_dir={data_dir}', '--lr_decay_iters=6', '--eval_samples=0', *TINY, *extra(script, request)]
+    common = [f'--data_dir={data_dir}', '--lr_decay_iters=6', '--eval_samples=0', *TINY,
+              *extra(script, request, ar_only=('--ar_only_iters=5', '--ar_only_loss=100', '--ar_only_patience=2'))]
+    # hybrid: its AR-only start ends on its loss at step 2, before the resume at step 3: the resumed run must know
     run(script, f'--out_dir={a}', '--max_iters=6', *common)
     run(script, f'--out_dir={b}', '--max_iters=3', *common)
     r = run(script, f'--out_dir={b}', '--max_iters=6', *common, '--init_from=resume', '--activation_checkpointing=True')
@@ -116,6 +121,23 @@ def test_resume_is_bit_exact(data_dir, tmp_path, script, request):
         r = run(script, f'--out_dir={b}', '--max_iters=7', '--init_from=resume', '--mask_id=260', *common, check=False)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and 'a resumed draft keeps its [MASK]' in lines[0], r.stderr
+
+
+def test_hybrid_ar_only_start_ends_at_its_loss_or_its_cap(data_dir, tmp_path):
+    # ar_only_iters caps the AR-only start; with ar_only_loss it ends once the AR loss has been below that for
+    # ar_only_patience steps in a row. AR-only steps log a diffusion loss of 0 (x_t is not computed)
+    def diffusion_losses(out, *args):
+        r = run('hybrid.py', f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=6', '--eval_samples=0', *TINY,
+                '--ar_only_iters=4', *args)
+        log = open(os.path.join(out, 'log.txt')).read()
+        return [float(v) for v in re.findall(r'^step \d+ \|.*diff_loss (\S+)', log, re.M)], r.stdout
+    d, out = diffusion_losses(str(tmp_path / 'cap'))  # the cap alone: steps 1-4
+    assert len(d) == 6 and d[:4] == [0.0] * 4 and min(d[4:]) > 0, d
+    d, out = diffusion_losses(str(tmp_path / 'loss'), '--ar_only_loss=100', '--ar_only_patience=2')  # always below
+    assert d[:2] == [0.0] * 2 and min(d[2:]) > 0, d
+    assert 'step 2: the AR loss has been below 100.0 for 2 steps' in out, out[-2000:]
+    d, _ = diffusion_losses(str(tmp_path / 'never'), '--ar_only_loss=1e-9', '--ar_only_patience=2')  # never below
+    assert d[:4] == [0.0] * 4 and min(d[4:]) > 0, d
 
 
 def test_round_trip_train_export_sample(trained):

@@ -10,9 +10,8 @@ Corruption masks whole-sequence (llada's t ~ U, block_size = 0) or exactly k = r
 (m ~ U per block, Gumbel top-k biased toward later positions). Loss (NeMo AutoModel HybridDiffusionLLMLoss,
 nemo_automodel/components/loss/dllm_loss.py):
     ar_loss_alpha · Σ CE(x_t → x_0)/p over corrupted supervised tokens / #corrupted  +  Σ CE(x_0[i] → x_0[i+1]) / #supervised
-The tiny default's first ar_only_iters steps train the AR term alone (x_t not computed): NeMo starts from an AR
-checkpoint; from scratch on add, the AR start leaves the first plateau where the joint loss could stall
-(docs/defaults.md).
+ar_only_iters > 0 trains the AR term alone first (x_t not computed), as NeMo starts from an AR checkpoint: from
+scratch on add, a candidate fix for the joint loss's stalls, measured but not yet the default (docs/defaults.md).
 The model stays an ordinary causal LM: KV-cached AR decoding works as is, and block diffusion decodes against the
 same KV cache (sample.py --sampler nemotron). Efficient-DLM arXiv 2512.14067; NVIDIA Nemotron-Labs-Diffusion.
 
@@ -308,14 +307,17 @@ if __name__ == '__main__':
     half_life_ratio = 0.25  # blockwise corruption at small m: a slot's weight doubles every half_life_ratio * block_size
     #                         slots toward the block's end
     ar_loss_alpha = 1.0  # scales the DIFFUSION term despite its name: loss = alpha * L_diff + L_ar (NeMo AutoModel's
-    # key; its recipe's 0.3 is in config/hybrid_nemotron.py). 1.0 here, a deliberate difference: without ar_only_iters
-    # the joint loss left add's first plateau sooner at 1.0 than at 0.3 (docs/defaults.md); kept with the AR-only start
+    # key; its recipe's 0.3 is in config/hybrid_nemotron.py). 1.0 here, a deliberate difference: on add the joint loss
+    # left the first plateau sooner than at 0.3 (the exit a draw, step ~450 to past 1,000, and runs of another float
+    # rounding stalled at 12 and 70 %); at 1.0 rarer, not gone (1 of 10 runs over two roundings stalled at 2.85 %;
+    # docs/defaults.md)
     ar_only_iters = 0  # at most this many first steps train the AR term alone (x_t not computed: ~0.6x a step's
     # cost), then the diffusion term joins: an AR start, as Nemotron-Labs-Diffusion converts an AR checkpoint. From
     # scratch on add the joint loss left its first plateau at a random step (~350 to never); the AR term alone left
-    # it at step 340-650 and the diffusion term then learned in ~50 steps (docs/defaults.md)
+    # it at step 280-660 and the diffusion term then learned in ~50-100 steps, but a start that ended while the AR
+    # term sat on a plateau failed (26 %); not the default yet (docs/defaults.md, "hybrid: an AR start")
     ar_only_loss = 0.0  # > 0: the AR-only start ends sooner, once the AR loss has been below this for
-    ar_only_patience = 20  # ... this many steps in a row (the AR model has left its plateau)
+    ar_only_patience = 20  # ... this many steps in a row (0.2: the AR model nearly learned, as measured)
     # optimizer
     learning_rate = 5e-3  # peak AdamW learning rate: on add, 5e-3 leaves the first plateau earlier (seed 3: step ~500;
     # 2e-3: ~850, and a run that leaves it late in a short schedule stays there; docs/defaults.md)

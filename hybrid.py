@@ -551,8 +551,8 @@ if __name__ == '__main__':
             ar_phase[1] = ar_phase[1] + 1 if a_sum < ar_only_loss else 0
             if ar_phase[1] >= ar_only_patience:
                 ar_phase[0] = step
-                print0(f'step {step}: the AR loss has been below {ar_only_loss} for {ar_only_patience} steps: '
-                       f'the diffusion term joins')
+                log(f'step {step}: the AR loss has been below {ar_only_loss} for {ar_only_patience} steps: '
+                    f'the diffusion term joins')  # in log.txt too
         metrics = {'step': step, 'loss': step_loss, 'grad_norm': float(grad_norm), 'lr': lr, 'diff_loss': d_sum,
                    'ar_loss': a_sum, 'diff_acc': d_hits / max(n_noise, 1.0), 'ar_acc': a_hits / max(n_sup, 1.0),
                    'supervised_tokens': int(n_sup), 'tok_per_s': n_tok / dt}

@@ -130,7 +130,7 @@ def test_hybrid_ar_only_start_ends_at_its_loss_or_its_cap(data_dir, tmp_path):
         r = run('hybrid.py', f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=6', '--eval_samples=0', *TINY,
                 '--ar_only_iters=4', *args)
         log = open(os.path.join(out, 'log.txt')).read()
-        return [float(v) for v in re.findall(r'^step \d+ \|.*diff_loss (\S+)', log, re.M)], r.stdout
+        return [float(v) for v in re.findall(r'^step \d+ \|.*diff_loss (\S+)', log, re.M)], log
     d, out = diffusion_losses(str(tmp_path / 'cap'))  # the cap alone: steps 1-4
     assert len(d) == 6 and d[:4] == [0.0] * 4 and min(d[4:]) > 0, d
     d, out = diffusion_losses(str(tmp_path / 'loss'), '--ar_only_loss=100', '--ar_only_patience=2')  # always below

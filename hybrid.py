@@ -11,7 +11,7 @@ Corruption masks whole-sequence (llada's t ~ U, block_size = 0) or exactly k = r
 nemo_automodel/components/loss/dllm_loss.py):
     ar_loss_alpha · Σ CE(x_t → x_0)/p over corrupted supervised tokens / #corrupted  +  Σ CE(x_0[i] → x_0[i+1]) / #supervised
 ar_only_iters > 0 trains the AR term alone first (x_t not computed), as NeMo starts from an AR checkpoint: from
-scratch on add, a candidate fix for the joint loss's stalls, measured but not yet the default (docs/defaults.md).
+scratch on add, tried as a fix for the joint loss's stalls: 8 of 10 runs, not the default (docs/defaults.md).
 The model stays an ordinary causal LM: KV-cached AR decoding works as is, and block diffusion decodes against the
 same KV cache (sample.py --sampler nemotron). Efficient-DLM arXiv 2512.14067; NVIDIA Nemotron-Labs-Diffusion.
 
@@ -315,7 +315,8 @@ if __name__ == '__main__':
     # cost), then the diffusion term joins: an AR start, as Nemotron-Labs-Diffusion converts an AR checkpoint. From
     # scratch on add the joint loss left its first plateau at a random step (~350 to never); the AR term alone left
     # it at step 280-660 and the diffusion term then learned in ~50-100 steps, but a start that ended while the AR
-    # term sat on a plateau failed (26 %); not the default yet (docs/defaults.md, "hybrid: an AR start")
+    # term sat on a plateau failed (26 %). Swept at 1000 / 0.2 / 20: 8 of 10 runs >= 90 % (77-99 %; a draw whose AR
+    # term sat on its second plateau to the cap scored 77 and 81 %), so off (docs/defaults.md, "hybrid: an AR start")
     ar_only_loss = 0.0  # > 0: the AR-only start ends sooner, once the AR loss has been below this for
     ar_only_patience = 20  # ... this many steps in a row (0.2: the AR model nearly learned, as measured)
     # optimizer
@@ -503,6 +504,13 @@ if __name__ == '__main__':
                   evaluate=evaluate, save=save_checkpoint, log=log, ckpt_path=ckpt_path)
     metrics, step, t0 = {}, start_step, time.time()
     net.train()  # from_pretrained loads in eval mode; activation checkpointing acts in train mode only
+    if step < ar_only_iters and ar_phase[0] < 0:
+        until = f' or until its loss is below {ar_only_loss} for {ar_only_patience} steps' if ar_only_loss > 0 else ''
+        log(f'an AR start: the AR term alone for at most {ar_only_iters} steps{until}, then both terms '
+            f'(--ar_only_iters=0: both from step 1)')
+        if ar_only_iters >= max_iters:  # the diffusion term may never train
+            log(f'warning: ar_only_iters={ar_only_iters} >= max_iters={max_iters}: the diffusion term trains only if '
+                f'the AR loss ends the start first')
     while step < max_iters:
         lr = get_lr(step, learning_rate=learning_rate, min_lr=min_lr, warmup_iters=warmup_iters,
                     lr_decay_iters=lr_decay_iters)
@@ -553,6 +561,8 @@ if __name__ == '__main__':
                 ar_phase[0] = step
                 log(f'step {step}: the AR loss has been below {ar_only_loss} for {ar_only_patience} steps: '
                     f'the diffusion term joins')  # in log.txt too
+        if ar_only and step == ar_only_iters and ar_phase[0] < 0:
+            log(f'step {step}: the AR start reached ar_only_iters={ar_only_iters}: the diffusion term joins')
         metrics = {'step': step, 'loss': step_loss, 'grad_norm': float(grad_norm), 'lr': lr, 'diff_loss': d_sum,
                    'ar_loss': a_sum, 'diff_acc': d_hits / max(n_noise, 1.0), 'ar_acc': a_hits / max(n_sup, 1.0),
                    'supervised_tokens': int(n_sup), 'tok_per_s': n_tok / dt}

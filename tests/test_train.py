@@ -131,13 +131,18 @@ def test_hybrid_ar_only_start_ends_at_its_loss_or_its_cap(data_dir, tmp_path):
                 '--ar_only_iters=4', *args)
         log = open(os.path.join(out, 'log.txt')).read()
         return [float(v) for v in re.findall(r'^step \d+ \|.*diff_loss (\S+)', log, re.M)], log
-    d, out = diffusion_losses(str(tmp_path / 'cap'))  # the cap alone: steps 1-4
+    d, out = diffusion_losses(str(tmp_path / 'cap'), '--ar_only_loss=0')  # the cap alone: steps 1-4
     assert len(d) == 6 and d[:4] == [0.0] * 4 and min(d[4:]) > 0, d
+    assert 'an AR start: the AR term alone for at most 4 steps, then' in out, out[-2000:]
+    assert 'step 4: the AR start reached ar_only_iters=4: the diffusion term joins' in out, out[-2000:]
     d, out = diffusion_losses(str(tmp_path / 'loss'), '--ar_only_loss=100', '--ar_only_patience=2')  # always below
     assert d[:2] == [0.0] * 2 and min(d[2:]) > 0, d
     assert 'step 2: the AR loss has been below 100.0 for 2 steps' in out, out[-2000:]
-    d, _ = diffusion_losses(str(tmp_path / 'never'), '--ar_only_loss=1e-9', '--ar_only_patience=2')  # never below
-    assert d[:4] == [0.0] * 4 and min(d[4:]) > 0, d
+    assert 'at most 4 steps or until its loss is below 100.0 for 2 steps' in out and 'reached' not in out
+    d, out = diffusion_losses(str(tmp_path / 'never'), '--ar_only_loss=1e-9', '--ar_only_patience=2')  # never below
+    assert d[:4] == [0.0] * 4 and min(d[4:]) > 0 and 'warning' not in out, d
+    d, out = diffusion_losses(str(tmp_path / 'all'), '--ar_only_iters=6')  # a start as long as the run: said
+    assert d == [0.0] * 6 and 'warning: ar_only_iters=6 >= max_iters=6' in out, d
 
 
 def test_round_trip_train_export_sample(trained):

@@ -166,17 +166,19 @@ def test_scdd_logged_loss_is_the_nelbo_over_global_supervised_count(data_dir, tm
     check(out, num, den, model)
 
 
-@pytest.mark.parametrize('ar_only', [0, 1])
-def test_hybrid_logged_loss_is_alpha_diffusion_over_corrupted_plus_ar_over_supervised(data_dir, tmp_path, ar_only):
+@pytest.mark.parametrize('ar_only,warmup', [(0, 0), (1, 0), (0, 4)])
+def test_hybrid_logged_loss_is_alpha_diffusion_over_corrupted_plus_ar_over_supervised(data_dir, tmp_path, ar_only,
+                                                                                     warmup):
     # the reference: full (B, 2L, V) logits of a plain forward over [x_t | x_0] under the script's mask, then
     # F.cross_entropy: x_t rows against the same-position clean token with 1/p, / the global corrupted count, times
     # alpha; x_0 rows i against token i + 1 where it is supervised, / the global supervised count. With
-    # --ar_only_iters=1 the one step is AR-only: the x_0 term alone
+    # --ar_only_iters=1 the one step is AR-only: the x_0 term alone; with --diffusion_warmup=4 the first step weights
+    # the diffusion term by alpha / 4
     import hybrid
     from data.loader import TokenDataset
     out = str(tmp_path / 'out')
     run('hybrid.py', f'--data_dir={data_dir}', f'--out_dir={out}', '--ar_loss_alpha=0.7', '--skip_prompt_blocks=True',
-        f'--ar_only_iters={ar_only}', *ARGS, *TINY)  # the logged loss skips x_t's prompt blocks, the reference
+        f'--ar_only_iters={ar_only}', f'--diffusion_warmup={warmup}', *ARGS, *TINY)  # the logged loss skips x_t's prompt blocks, the reference
     #                                              below runs the whole [x_t | x_0]
     cfg = ckpt(out)['config']
     assert cfg['gradient_accumulation_steps'] == 2 and cfg['block_size'] > 0
@@ -210,5 +212,5 @@ def test_hybrid_logged_loss_is_alpha_diffusion_over_corrupted_plus_ar_over_super
             n_noise += float(corrupted.sum())  # the EOS fill's [MASK]s included
             n_sup += float(lm.sum())
     assert 0 < n_noise != n_sup
-    ref = (0.0 if ar_only else 0.7 * d_num / n_noise) + a_num / n_sup
+    ref = (0.0 if ar_only else 0.7 / max(warmup, 1) * d_num / n_noise) + a_num / n_sup
     check(out, ref * n_sup, n_sup, model)  # check() compares the logged loss with num / den and sup with den

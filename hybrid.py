@@ -180,13 +180,15 @@ def loss_weights(noise, p):
     return noise.float() / p.clamp_min(1e-8)
 
 
-def diffusion_weight(step, ar_loss_alpha, diffusion_warmup):
-    """The diffusion term's weight at optimizer step `step` (0-based): ar_loss_alpha, ramped linearly,
-    (step+1)/diffusion_warmup of it, over the first diffusion_warmup steps. Not in NeMo (its runs start from an AR
-    checkpoint at the full weight): from scratch on add, the diffusion term's gradient at full weight can hold the
-    shared weights on the first plateau while the AR term alone would leave it (docs/defaults.md). A pure function
-    of the step: resume replays it."""
-    return ar_loss_alpha * min(1.0, (step + 1) / diffusion_warmup) if diffusion_warmup > 0 else ar_loss_alpha
+def diffusion_weight(step, ar_loss_alpha, diffusion_warmup, joined=0):
+    """The diffusion term's weight at optimizer step `step` (0-based) when it joined the loss at step `joined` (after
+    an AR start; else 0): ar_loss_alpha, ramped linearly, (step-joined+1)/diffusion_warmup of it, over its first
+    diffusion_warmup steps. Not in NeMo (its runs start from an AR checkpoint at the full weight): from scratch on
+    add, the diffusion term's gradient at full weight can hold the shared weights on the first plateau while the AR
+    term alone would leave it (docs/defaults.md). A pure function of the steps: resume replays it."""
+    if diffusion_warmup <= 0:
+        return ar_loss_alpha
+    return ar_loss_alpha * min(1.0, (step - joined + 1) / diffusion_warmup)
 
 
 def make_batch(examples, seeds, *, pad_id, eos_id, mask_id, eps, max_seq_len, block_size=0, corruption='blockwise',
@@ -323,10 +325,11 @@ if __name__ == '__main__':
     # left the first plateau sooner than at 0.3 (the exit a draw, step ~450 to past 1,000, and runs of another float
     # rounding stalled at 12 and 70 %); at 1.0 rarer, not gone (1 of 10 runs over two roundings stalled at 2.85 %;
     # docs/defaults.md)
-    diffusion_warmup = 0  # > 0: the diffusion term's weight ramps linearly, (step+1)/diffusion_warmup of alpha, over
-    # the first this-many steps (not in NeMo, which starts from an AR checkpoint at the full weight). Tried on add as a
-    # fix for the joint loss's stall: 1,000 passed the stalled draw (98.85 %) but left seed 4 (eager) at 69.65 %,
-    # its AR term on a second plateau as in the AR start below; 300: 88.55 % there. So off (docs/defaults.md)
+    diffusion_warmup = 0  # > 0: ramp the diffusion term's weight linearly up to alpha over its first N steps (0 = off)
+    # (not in NeMo, which starts from an AR checkpoint at the full weight; after an AR start the ramp begins when the
+    # term joins; the logged loss carries the ramped weight, val_loss the full alpha). Tried on add as a fix for the
+    # joint loss's stall: 1,000 rescued the stalled draw (98.85 %) but left seed 4 (eager) at 69.65 %, its AR term on
+    # a second plateau as in the AR start below; 300: 88.55 % there. So off (docs/defaults.md)
     ar_only_iters = 0  # at most this many first steps train the AR term alone (x_t not computed: ~0.6x a step's
     # cost), then the diffusion term joins: an AR start, as Nemotron-Labs-Diffusion converts an AR checkpoint. From
     # scratch on add the joint loss left its first plateau at a random step (~350 to never); the AR term alone left
@@ -556,7 +559,8 @@ if __name__ == '__main__':
             with autocast:
                 ce, n_correct = forward(mb, ar_only)
                 diff, ar = ce[0] / max(n_noise, 1.0), ce[1] / max(n_sup, 1.0)  # NeMo: /corrupted, /supervised
-                loss = ar if ar_only else diffusion_weight(step, ar_loss_alpha, diffusion_warmup) * diff + ar
+                joined = ar_phase[0] if ar_phase[0] >= 0 else ar_only_iters  # the diffusion term's first step
+                loss = ar if ar_only else diffusion_weight(step, ar_loss_alpha, diffusion_warmup, joined) * diff + ar
             # DDP/FSDP average gradients over ranks; the loss is already a global mean, so undo the 1/world
             (loss * ddp_world_size).backward()
             loss_sum += torch.cat([torch.stack([loss, diff, ar]).detach().float(), n_correct.float()])

@@ -245,6 +245,14 @@ def test_skipping_prompt_only_xt_blocks_changes_no_loss_or_gradient(bs, origin, 
         assert gap(grads3, grads) > 1e-2
 
 
+def test_diffusion_weight_ramps_to_alpha_from_the_step_the_term_joins():
+    # linear from alpha/N on the term's first step to alpha on its N-th, then flat; 0 = off; after an AR start
+    # (joined = the step the term joined) the ramp starts there, not at step 0
+    assert [hybrid.diffusion_weight(s, 0.7, 4) for s in range(6)] == pytest.approx([.175, .35, .525, .7, .7, .7])
+    assert hybrid.diffusion_weight(0, 0.7, 0) == hybrid.diffusion_weight(9, 0.7, 0) == 0.7
+    assert [hybrid.diffusion_weight(s, 1.0, 4, joined=10) for s in (10, 12, 13, 20)] == pytest.approx([.25, .75, 1, 1])
+
+
 def test_ar_only_forward_is_the_plain_causal_lm_loss():
     # ar_only_iters' steps: Hybrid with start = L (no x_t column) against F.cross_entropy on the logits of a plain
     # causal forward of x_0 alone (the HF model's own mask): the AR sum, its hits and its gradients; no diffusion sum

@@ -178,8 +178,8 @@ def test_hybrid_logged_loss_is_alpha_diffusion_over_corrupted_plus_ar_over_super
     from data.loader import TokenDataset
     out = str(tmp_path / 'out')
     run('hybrid.py', f'--data_dir={data_dir}', f'--out_dir={out}', '--ar_loss_alpha=0.7', '--skip_prompt_blocks=True',
-        f'--ar_only_iters={ar_only}', f'--diffusion_warmup={warmup}', *ARGS, *TINY)  # the logged loss skips x_t's prompt blocks, the reference
-    #                                              below runs the whole [x_t | x_0]
+        f'--ar_only_iters={ar_only}', f'--diffusion_warmup={warmup}',
+        *ARGS, *TINY)  # the logged loss skips x_t's prompt blocks, the reference below runs the whole [x_t | x_0]
     cfg = ckpt(out)['config']
     assert cfg['gradient_accumulation_steps'] == 2 and cfg['block_size'] > 0
     ds = TokenDataset(data_dir, 'train')

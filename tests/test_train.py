@@ -135,8 +135,13 @@ def test_hybrid_ar_only_start_ends_at_its_loss_or_its_cap(data_dir, tmp_path):
     assert len(d) == 6 and d[:4] == [0.0] * 4 and min(d[4:]) > 0, d
     assert 'an AR start: the AR term alone for at most 4 steps, then' in out, out[-2000:]
     assert 'step 4: the AR start reached ar_only_iters=4: the diffusion term joins' in out, out[-2000:]
-    d, out = diffusion_losses(str(tmp_path / 'loss'), '--ar_only_loss=100', '--ar_only_patience=2')  # always below
+    d, out = diffusion_losses(str(tmp_path / 'loss'), '--ar_only_loss=100', '--ar_only_patience=2',  # always below
+                              '--diffusion_warmup=4')  # ... and the diffusion weight ramps in from where it joined
     assert d[:2] == [0.0] * 2 and min(d[2:]) > 0, d
+    terms = [tuple(map(float, m)) for m in re.findall(r'^step \d+ \| loss (\S+) .*diff_loss (\S+) \| ar_loss (\S+)',
+                                                        out, re.M)]
+    for (loss, diff, ar), w in zip(terms[2:], (0.25, 0.5, 0.75, 1.0)):  # steps 3-6: the term's 1st to 4th step
+        assert loss == pytest.approx(w * diff + ar, abs=3e-4), (terms, w)
     assert 'step 2: the AR loss has been below 100.0 for 2 steps' in out, out[-2000:]
     assert 'at most 4 steps or until its loss is below 100.0 for 2 steps' in out and 'reached' not in out
     d, out = diffusion_losses(str(tmp_path / 'never'), '--ar_only_loss=1e-9', '--ar_only_patience=2')  # never below

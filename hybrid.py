@@ -323,7 +323,7 @@ if __name__ == '__main__':
     ar_loss_alpha = 1.0  # scales the DIFFUSION term despite its name: loss = alpha * L_diff + L_ar (NeMo AutoModel's
     # key; its recipe's 0.3 is in config/hybrid_nemotron.py). 1.0 here, a deliberate difference: on add the joint loss
     # left the first plateau sooner than at 0.3 (the exit a draw, step ~450 to past 1,000, and runs of another float
-    # rounding stalled at 12 and 70 %); at 1.0 rarer, not gone (in three roundings 10 of 13 runs >= 90 %, seed 1
+    # rounding stalled at 12 and 70 %); at 1.0 rarer, not gone (in three roundings 11 of 14 runs >= 90 %, seed 1
     # stalled in two of them at 2.85 and 5.60 %; docs/defaults.md)
     diffusion_warmup = 0  # > 0: ramp the diffusion term's weight linearly up to alpha over its first N steps (0 = off)
     # (not in NeMo, which starts from an AR checkpoint at the full weight; after an AR start the ramp begins when the

@@ -140,6 +140,7 @@ def test_hybrid_ar_only_start_ends_at_its_loss_or_its_cap(data_dir, tmp_path):
     assert d[:2] == [0.0] * 2 and min(d[2:]) > 0, d
     terms = [tuple(map(float, m)) for m in re.findall(r'^step \d+ \| loss (\S+) .*diff_loss (\S+) \| ar_loss (\S+)',
                                                         out, re.M)]
+    assert len(terms) == 6, out[-2000:]
     for (loss, diff, ar), w in zip(terms[2:], (0.25, 0.5, 0.75, 1.0)):  # steps 3-6: the term's 1st to 4th step
         assert loss == pytest.approx(w * diff + ar, abs=3e-4), (terms, w)
     assert 'step 2: the AR loss has been below 100.0 for 2 steps' in out, out[-2000:]
